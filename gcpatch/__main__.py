@@ -1,0 +1,3 @@
+from gcpatch.cli import main
+
+raise SystemExit(main())

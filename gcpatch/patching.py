@@ -1,0 +1,123 @@
+"""Installing and removing patch points: lazily on import, exactly once, restored by identity.
+
+wrapt's post-import hooks fire when a module is imported, or at once if it already is, so the
+order of `import gcpatch` and `import transformers` does not matter (issue #3 item 3).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+from gcpatch.errors import GcpatchError
+from gcpatch.schema import PatchPoint
+
+log = logging.getLogger("gcpatch")
+
+
+@dataclass
+class Installed:
+    point: PatchPoint
+    plugin: str
+    owner: Any
+    attr: str
+    original: Any
+    wrapper: Any
+    inherited: bool
+
+
+class Patcher:
+    def __init__(self, strict: bool = False) -> None:
+        self.installed: dict[tuple[str, str], Installed] = {}
+        self.not_applicable: dict[tuple[str, str], str] = {}
+        self._registered: set[tuple[str, str]] = set()
+        self._stopped = False
+        self._strict = strict
+
+    def register(self, point: PatchPoint, plugin: str) -> None:
+        """Install `point` when its module is imported (now, if it already is)."""
+        key = (point.module, point.target)
+        if key in self._registered:
+            return
+        self._registered.add(key)
+        wrapt.register_post_import_hook(lambda module: self._install(module, point, plugin), point.module)
+
+    def _install(self, module: Any, point: PatchPoint, plugin: str) -> None:
+        key = (point.module, point.target)
+        if self._stopped or key in self.installed:
+            return
+        try:
+            if not point.applies(module):
+                self.not_applicable[key] = "not in this version"
+                return
+            owner, attr = _resolve(module, point.target)
+            inherited = attr not in vars(owner)
+            original = getattr(owner, attr) if inherited else vars(owner)[attr]
+            if getattr(original, "_self_gcpatch", False):
+                return  # already ours (the start-up line ran twice)
+            wrapper = _GcpatchWrapper(original, _fail_open(point, plugin, self._strict))
+            setattr(owner, attr, wrapper)
+            self.installed[key] = Installed(point, plugin, owner, attr, original, wrapper, inherited)
+        except Exception as exc:
+            if self._strict:
+                raise GcpatchError(f"could not patch {point.module}.{point.target}: {exc}", rule=f"plugin:{plugin}") from exc
+            log.error("gcpatch: %s.%s left unpatched (%s: %s)", point.module, point.target, type(exc).__name__, exc)
+
+    def uninstall_all(self) -> None:
+        """Put every original back, by identity, where our wrapper still stands."""
+        self._stopped = True
+        for item in self.installed.values():
+            if vars(item.owner).get(item.attr) is not item.wrapper:
+                continue  # someone wrapped over us: leave their object alone
+            if item.inherited:
+                delattr(item.owner, item.attr)
+            else:
+                setattr(item.owner, item.attr, item.original)
+        self.installed.clear()
+
+
+class _GcpatchWrapper(wrapt.FunctionWrapper):
+    _self_gcpatch = True
+
+
+def _resolve(module: Any, target: str) -> tuple[Any, str]:
+    owner = module
+    *path, attr = target.split(".")
+    for name in path:
+        owner = getattr(owner, name)
+    return owner, attr
+
+
+class _Original:
+    """The wrapped callable, remembering whether it was reached: an exception raised after that
+    is the host's own and propagates; one raised before is gcpatch's and fails open."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+        self.called = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.called = True
+        return self.wrapped(*args, **kwargs)
+
+
+def _fail_open(point: PatchPoint, plugin: str, strict: bool):  # noqa: ANN202
+    def wrapper(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202 (wrapt's protocol)
+        original = _Original(wrapped)
+        try:
+            return point.wrapper(original, instance, args, kwargs)
+        except GcpatchError:
+            raise
+        except Exception as exc:
+            if original.called:
+                raise
+            if strict:
+                raise GcpatchError(f"{point.target} failed inside gcpatch: {type(exc).__name__}: {exc}",
+                                   rule=f"plugin:{plugin}") from exc
+            log.error("gcpatch: plugin %s failed in %s, running it unpatched (%s: %s)",
+                      plugin, point.target, type(exc).__name__, exc)
+            return wrapped(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,160 @@
+"""The values that flow through one decision: rules, patch points, facts, votes, decisions.
+
+Plain frozen dataclasses, so a record is a faithful copy of what was decided and every rank
+can compare its decisions with the others' as data.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+# Vote strengths, strongest first (RULES.md §3).
+REQUIRED = "required"
+USER = "user"
+RECOMMENDED = "recommended"
+DEFAULT = "default"
+STRENGTH_ORDER = {REQUIRED: 3, USER: 2, RECOMMENDED: 1, DEFAULT: 0}
+
+# What a required vote avoids; a conflict between required votes goes to the worse failure
+# (RULES.md §3): silent wrong gradients outrank a loud crash, which outranks lost memory.
+WRONG_GRADIENTS = "wrong_gradients"
+CRASH = "crash"
+NO_MEMORY_SAVED = "no_memory_saved"
+FAILURE_ORDER = {WRONG_GRADIENTS: 3, CRASH: 2, NO_MEMORY_SAVED: 1, "": 0}
+
+# The knobs a vote can be about.
+USE_REENTRANT = "use_reentrant"
+INPUT_GRADS_HOOK = "input_grads_hook"
+USE_CACHE_OFF = "use_cache_off"
+EVAL_MODE_FIX = "eval_mode_fix"
+KNOBS = (USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the rule table: its id matches RULES.md, its source is where the truth lives."""
+
+    id: str
+    summary: str
+    source: str
+    versions: str = "all"
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    """Where a plugin hooks in: `module` is watched, `target` ("Class.method") is wrapped.
+
+    `wrapper` has wrapt's signature (wrapped, instance, args, kwargs). `applies` is asked with
+    the imported module and says whether this version has the target (X1: the API changed).
+    """
+
+    module: str
+    target: str
+    wrapper: Callable[..., Any]
+    applies: Callable[[Any], bool] = lambda module: True
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """What a plugin declares before any of its patches is installed."""
+
+    name: str
+    framework: str  # the distribution whose version is checked, e.g. "transformers"
+    versions: str  # a PEP 440 specifier, e.g. ">=4.41,<6"
+    rules: tuple[Rule, ...] = ()
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything a rule may look at, gathered once per decision.
+
+    Only rank-independent facts live here (model layout, launcher environment, versions):
+    a decision that differed between DDP ranks would deadlock (RULES.md §3).
+    """
+
+    stage: str  # "enable" | "first_forward"
+    api: str  # the entry point the call came through
+    source: str  # "call" (the user's code) | "trainer" (Trainer re-enabling, X3)
+    model_class: str
+    asked_use_reentrant: bool | None
+    asked_from: str
+    asked_kwargs: Mapping[str, Any]
+    trainable_params: int
+    frozen_params: int
+    embeddings_trainable: bool | None
+    checkpointed_layers: int
+    trainable_in_checkpointed_layers: bool
+    main_input_name: str
+    layers_in_eval_mode: int
+    checkpoint_layer_api: bool  # layers are transformers' GradientCheckpointingLayer
+    use_cache: bool | None
+    peft: bool
+    kbit: bool
+    zero3: bool
+    world_size: int
+    distributed: str  # "none" | "ddp" (multi-process launcher seen)
+    versions: Mapping[str, str | None]
+    grad_enabled: bool = True
+
+    @property
+    def partially_frozen(self) -> bool:
+        return self.trainable_params > 0 and self.frozen_params > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["asked_kwargs"] = {k: _plain(v) for k, v in self.asked_kwargs.items()}
+        data["versions"] = dict(self.versions)
+        data["partially_frozen"] = self.partially_frozen
+        return data
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One rule's opinion on one knob."""
+
+    knob: str
+    value: Any
+    strength: str
+    rule: str
+    reason: str
+    plugin: str = ""
+    avoids: str = ""  # for required votes: the failure it prevents
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Decision:
+    """The resolved outcome of one call, with every vote that took part."""
+
+    mode: str
+    values: dict[str, Any]
+    winners: dict[str, Vote]
+    overruled: list[Vote] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def rules(self) -> list[str]:
+        seen: list[str] = []
+        for vote in self.winners.values():
+            if vote.rule not in seen:
+                seen.append(vote.rule)
+        return seen
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "values": dict(self.values),
+            "rules": self.rules,
+            "winners": {k: v.to_dict() for k, v in self.winners.items()},
+            "overruled": [v.to_dict() for v in self.overruled],
+            "conflicts": list(self.conflicts),
+            "warnings": list(self.warnings),
+        }
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)

@@ -1,0 +1,155 @@
+"""transformers: both API generations (X1), the Trainer's re-enable (X3), and the rules that
+hold without PEFT (R1, R2, R5, R6).
+
+Patch points, proved per version by tests/test_patch_points.py:
+- 4.x: `PreTrainedModel.gradient_checkpointing_enable`, the only entry; the Trainer calls it.
+- 5.x: `PreTrainedModel._activation_checkpointing_enable`, which `activation_checkpointing_enable`
+  and its deprecated alias `gradient_checkpointing_enable` both reach. Wrapping the public names
+  on the class would make `_is_overridden()` true and reroute 5.x's dispatch (RULES.md §4), and
+  wrapping a layer's `forward` would switch checkpointing off (`is_outermost`), so neither is done.
+- the disable of each generation, to undo what gcpatch added.
+- `Trainer.train`, to know that an enable call is the Trainer's re-enable (X3).
+"""
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+from gcpatch.hookspecs import hookimpl
+from gcpatch.pipeline import EnableCall, run_enable
+from gcpatch.apply import remove_all
+from gcpatch.schema import (
+    EVAL_MODE_FIX,
+    INPUT_GRADS_HOOK,
+    NO_MEMORY_SAVED,
+    REQUIRED,
+    USE_CACHE_OFF,
+    USE_REENTRANT,
+    WRONG_GRADIENTS,
+    Facts,
+    PatchPoint,
+    PluginInfo,
+    Rule,
+    Vote,
+)
+
+_V5_CHOKE = "_activation_checkpointing_enable"
+_trainer_args: contextvars.ContextVar[Any] = contextvars.ContextVar("gcpatch_trainer_args", default=None)
+
+RULES = (
+    Rule("X1", "5.x renamed the API to activation_checkpointing_enable (gradient_checkpointing_enable is a "
+         "deprecated alias); both reach _activation_checkpointing_enable, which gcpatch wraps",
+         "transformers/modeling_utils.py (5.23.0: activation_checkpointing_enable, _is_overridden)", ">=5.0"),
+    Rule("X2", "transformers installs its input-grads hook only for input_ids models or a loaded adapter; "
+         "inputs_embeds, vision and audio inputs are not covered",
+         "transformers/modeling_utils.py (5.23.0: _activation_checkpointing_enable; 4.57.6: PEFT only)"),
+    Rule("X3", "the Trainer re-enables checkpointing from TrainingArguments and would overwrite a "
+         "model-level choice; gcpatch keeps the user's model-level ask unless TrainingArguments names one",
+         "transformers/trainer.py (4.57.6: _inner_training_loop; 5.23.0: train), transformers#26221"),
+    Rule("X4", "FSDP's own activation checkpointing together with the Trainer's is refused by the Trainer "
+         "itself; gcpatch leaves that error as it is",
+         "transformers/trainer.py (5.23.0: create_accelerator_and_postprocess)"),
+    Rule("R1", "partially frozen model + reentrant -> non-reentrant: reentrant blocks whose inputs need no "
+         "grad give their weights no gradients", "transformers#21381, Axolotl A1"),
+    Rule("R2", "reentrant kept and a checkpointed layer trains -> input-grads hook on the embedding output "
+         "and on inputs_embeds", "torch.utils.checkpoint docs, X2, peft#137"),
+    Rule("R5", "checkpointing enabled but the first grad-enabled forward runs with the layers in eval mode -> "
+         "the layers checkpoint anyway, their forward still runs in the user's mode",
+         "transformers/modeling_layers.py (GradientCheckpointingLayer checks self.training), ColossalAI C1"),
+    Rule("R6", "checkpointing enabled -> config.use_cache=False", "Axolotl A5"),
+)
+
+INFO = PluginInfo(name="transformers", framework="transformers", versions=">=4.35,<6", rules=RULES)
+
+
+@hookimpl
+def gcpatch_plugin_info() -> PluginInfo:
+    return INFO
+
+
+@hookimpl
+def gcpatch_patch_points() -> list[PatchPoint]:
+    v4 = lambda m: not hasattr(m.PreTrainedModel, _V5_CHOKE)  # noqa: E731
+    v5 = lambda m: hasattr(m.PreTrainedModel, _V5_CHOKE)  # noqa: E731
+    return [
+        PatchPoint("transformers.modeling_utils", "PreTrainedModel.gradient_checkpointing_enable",
+                   _enable_v4, applies=v4, why="X1: the 4.x entry point"),
+        PatchPoint("transformers.modeling_utils", "PreTrainedModel.gradient_checkpointing_disable",
+                   _disable, applies=v4, why="undo gcpatch's hooks with the user's disable"),
+        PatchPoint("transformers.modeling_utils", f"PreTrainedModel.{_V5_CHOKE}",
+                   _enable_v5, applies=v5, why="X1: the 5.x choke point of both enable names"),
+        PatchPoint("transformers.modeling_utils", "PreTrainedModel._activation_checkpointing_disable",
+                   _disable, applies=v5, why="undo gcpatch's hooks with the user's disable"),
+        PatchPoint("transformers.trainer", "Trainer.train", _trainer_train,
+                   why="X3: the Trainer's re-enable goes through the same decision"),
+    ]
+
+
+@hookimpl
+def gcpatch_vote(facts: Facts) -> list[Vote]:
+    votes: list[Vote] = []
+    if facts.stage == "enable":
+        if facts.partially_frozen and not facts.zero3:
+            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1",
+                              f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters: "
+                              "reentrant would drop the gradients of layers whose inputs need none",
+                              avoids=WRONG_GRADIENTS))
+        if facts.trainable_in_checkpointed_layers:
+            votes.append(Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R2",
+                              "checkpointed layers train: under reentrant their first input must require grad "
+                              "(frozen embeddings, inputs_embeds; X2)", avoids=WRONG_GRADIENTS))
+        if facts.use_cache:
+            votes.append(Vote(USE_CACHE_OFF, True, REQUIRED, "R6",
+                              "the KV cache is useless under checkpointing and warns every step"))
+    elif facts.stage == "first_forward" and facts.grad_enabled and facts.layers_in_eval_mode:
+        votes.append(Vote(EVAL_MODE_FIX, True, REQUIRED, "R5",
+                          f"{facts.layers_in_eval_mode} of {facts.checkpointed_layers} checkpointed layers are in "
+                          "eval mode at the first training forward: checkpointing would silently do nothing",
+                          avoids=NO_MEMORY_SAVED))
+    return votes
+
+
+def _enable_v4(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+    # gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None)
+    asked = args[0] if args else kwargs.get("gradient_checkpointing_kwargs")
+    return run_enable(_call(model, "gradient_checkpointing_enable", asked, "gradient_checkpointing_kwargs",
+                            lambda chosen: wrapped(gradient_checkpointing_kwargs=chosen)))
+
+
+def _enable_v5(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+    # _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers=1, offload=False)
+    names = ("activation_checkpointing_kwargs", "every_n_layers", "offload")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    asked = bound.pop("activation_checkpointing_kwargs", None)
+    return run_enable(_call(model, "activation_checkpointing_enable", asked, "activation_checkpointing_kwargs",
+                            lambda chosen: wrapped(chosen, **bound)))
+
+
+def _call(model: Any, api: str, asked: Any, kwarg_name: str, invoke: Any) -> EnableCall:
+    trainer_args = _trainer_args.get()
+    if trainer_args is not None:
+        source = "trainer"
+        asked_from = f"TrainingArguments.{_training_args_field(trainer_args)}" if asked else "nothing (Trainer)"
+    else:
+        source = "call"
+        asked_from = f"{type(model).__name__}.{api}({kwarg_name}=...)" if asked else "nothing"
+    return EnableCall(model=model, api=api, source=source, asked_kwargs=asked, asked_from=asked_from, invoke=invoke)
+
+
+def _training_args_field(args: Any) -> str:
+    return ("activation_checkpointing_kwargs" if hasattr(args, "activation_checkpointing_kwargs")
+            else "gradient_checkpointing_kwargs")
+
+
+def _disable(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+    remove_all(model)
+    return wrapped(*args, **kwargs)
+
+
+def _trainer_train(wrapped: Any, trainer: Any, args: tuple, kwargs: dict) -> Any:
+    token = _trainer_args.set(getattr(trainer, "args", None))
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _trainer_args.reset(token)
