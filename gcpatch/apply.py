@@ -48,9 +48,9 @@ def apply(model: Any, decision: Decision, on_first_forward: Callable[[Any], None
         _install_input_hooks(model, state)
         applied[INPUT_GRADS_HOOK] = True
     config = getattr(model, "config", None)
-    if decision.values.get(USE_CACHE_OFF) and getattr(config, "use_cache", None):
+    if decision.values.get(USE_CACHE_OFF) and config is not None:
+        applied[USE_CACHE_OFF] = "use_cache True -> False" if config.use_cache else "use_cache already False"
         config.use_cache = False
-        applied[USE_CACHE_OFF] = "use_cache True -> False"
     if checkpoint_layers(model):
         _arm_first_forward(model, state, on_first_forward)
     return applied

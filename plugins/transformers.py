@@ -98,7 +98,7 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
             votes.append(Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R2",
                               "checkpointed layers train: under reentrant their first input must require grad "
                               "(frozen embeddings, inputs_embeds; X2)", avoids=WRONG_GRADIENTS))
-        if facts.use_cache:
+        if facts.use_cache is not None:
             votes.append(Vote(USE_CACHE_OFF, True, REQUIRED, "R6",
                               "the KV cache is useless under checkpointing and warns every step"))
     elif facts.stage == "first_forward" and facts.grad_enabled and facts.layers_in_eval_mode:

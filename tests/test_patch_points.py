@@ -1,0 +1,104 @@
+"""The patch points of each transformers generation: installed exactly once whatever the
+import order, invisible to 5.x's dispatch, restored by identity (issue #3 item 3, RULES.md §4)."""
+from __future__ import annotations
+
+import pytest
+from subproc import requires_transformers, result_of, run_python, transformers_major
+
+pytestmark = requires_transformers
+
+TINY = """
+from transformers import LlamaConfig, LlamaForCausalLM
+def tiny():
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+"""
+
+PROBE = TINY + """
+import json, gcpatch
+from transformers.modeling_utils import PreTrainedModel
+names = ["gradient_checkpointing_enable", "activation_checkpointing_enable", "_activation_checkpointing_enable"]
+ours = sorted(n for n in names if type(vars(PreTrainedModel).get(n)).__name__ == "_GcpatchWrapper")
+m = tiny()
+m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+layer = m.model.layers[0]
+print("RESULT " + json.dumps({
+    "ours": ours,
+    "overridden": m._is_overridden("gradient_checkpointing_enable") if hasattr(m, "_is_overridden") else None,
+    "decisions": len(gcpatch.decisions()),
+    "use_reentrant": layer._gradient_checkpointing_func.keywords["use_reentrant"],
+    "checkpointing": bool(layer.gradient_checkpointing),
+}))
+"""
+
+
+@pytest.mark.parametrize("order", ["gcpatch_first", "transformers_first"])
+def test_entry_point_of_the_installed_generation_is_patched_once_in_any_import_order(tmp_path, order):
+    code = PROBE if order == "gcpatch_first" else "import transformers.modeling_utils\n" + PROBE
+    result = result_of(run_python(code, tmp_path))
+    expected = ["_activation_checkpointing_enable"] if transformers_major() >= 5 else ["gradient_checkpointing_enable"]
+    assert result["ours"] == expected
+    assert result["overridden"] in (False, None), "wrapping must not reroute 5.x's dispatch (RULES.md §4)"
+    assert result["decisions"] == 1
+    assert result["checkpointing"] is True
+    assert result["use_reentrant"] is True  # all trainable, input_ids: the user's choice is correct and kept
+
+
+def test_deactivate_restores_the_originals_by_identity(tmp_path):
+    result = result_of(run_python("""
+        import json
+        from transformers import modeling_utils as mu, trainer as tr
+        names = ["gradient_checkpointing_enable", "gradient_checkpointing_disable",
+                 "_activation_checkpointing_enable", "_activation_checkpointing_disable"]
+        before = {n: vars(mu.PreTrainedModel).get(n) for n in names}
+        train_before = vars(tr.Trainer)["train"]
+        import gcpatch
+        patched = sum(vars(mu.PreTrainedModel).get(n) is not before[n] for n in names)
+        gcpatch.deactivate()
+        print("RESULT " + json.dumps({
+            "patched": patched,
+            "restored": all(vars(mu.PreTrainedModel).get(n) is before[n] for n in names),
+            "trainer_restored": vars(tr.Trainer)["train"] is train_before,
+        }))
+    """, tmp_path))
+    assert result == {"patched": 2, "restored": True, "trainer_restored": True}
+
+
+def test_enabling_twice_leaves_one_hook_and_the_same_decision(tmp_path):
+    result = result_of(run_python(TINY + """
+        import json, gcpatch
+        m = tiny()
+        emb = m.get_input_embeddings()
+        for _ in range(2):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        d = gcpatch.decisions()
+        print("RESULT " + json.dumps({
+            "embedding_hooks": sum(h.__name__ == "_output_requires_grad" for h in emb._forward_hooks.values()),
+            "model_pre_hooks": len(m._forward_pre_hooks),
+            "same": d[0]["decision"]["values"] == d[1]["decision"]["values"] and d[0]["rules"] == d[1]["rules"],
+            "applied": d[1]["applied"],
+        }))
+    """.replace("\n        ", "\n"), tmp_path, GCPATCH_LOG="off"))
+    # gcpatch's own: one embedding-output hook (R2); on the model one inputs_embeds hook and one
+    # first-forward hook (R5). (transformers 5.x adds a hook of its own on every enable and never
+    # removes the previous one: that upstream leak is not counted here.)
+    assert result["embedding_hooks"] == 1
+    assert result["model_pre_hooks"] == 2
+    assert result["same"] is True
+    assert result["applied"]["use_reentrant"] is True and result["applied"]["input_grads_hook"] is True
+
+
+def test_first_forward_hook_is_gone_after_the_first_training_step(tmp_path):
+    result = result_of(run_python(TINY + """
+import json, torch
+m = tiny(); m.train()
+m.gradient_checkpointing_enable()
+before = len(m._forward_pre_hooks)
+ids = torch.randint(0, 64, (1, 8))
+with torch.no_grad():
+    m(input_ids=ids)
+waiting = len(m._forward_pre_hooks)
+m(input_ids=ids, labels=ids).loss.backward()
+print("RESULT " + json.dumps([before, waiting, len(m._forward_pre_hooks)]))
+""", tmp_path, GCPATCH="1"))
+    assert result == [1, 1, 0]  # a no_grad forward does not count as the first training step
