@@ -77,7 +77,10 @@ def _explain(path: str | None, verbose: bool) -> int:
             continue
         decision = entry["decision"]
         for knob, vote in decision["winners"].items():
-            print(f"    {knob} = {vote['value']!r:6} by {vote['rule']} ({vote['strength']}): {vote['reason']}")
+            if knob in entry["applied"]:
+                print(f"    {knob} = {vote['value']!r:6} by {vote['rule']} ({vote['strength']}): {vote['reason']}")
+            else:
+                print(f"    {knob}: not needed with this choice ({vote['rule']} voted {vote['value']!r})")
         for vote in decision["overruled"]:
             print(f"    overruled: {vote['rule']} ({vote['strength']}) wanted {vote['knob']}={vote['value']!r}")
         for text in decision["warnings"] + decision["conflicts"]:
