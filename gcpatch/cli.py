@@ -28,11 +28,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _doctor(import_frameworks: bool) -> int:
-    from gcpatch import engine, facts, settings
+    from gcpatch import activation, engine, facts, settings
 
     cfg = settings.read()
     print(f"gcpatch {_version()}  python {sys.version.split()[0]}")
-    print(f"mode: {cfg.mode}   GCPATCH={os.environ.get('GCPATCH', '(unset)')}   "
+    print(f"mode: {cfg.mode}   GCPATCH={activation.ENV_AT_START or '(unset)'}   "
           f"record: {cfg.record_dir or '(off)'}   blocked: {', '.join(sorted(cfg.blocked_plugins)) or '(none)'}")
     print("versions: " + ", ".join(f"{k} {v or '-'}" for k, v in facts.versions().items()))
     host = engine.start()

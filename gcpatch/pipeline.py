@@ -65,7 +65,7 @@ def run_enable(call: EnableCall) -> Any:
         return call.invoke(call.asked_kwargs)
     if call.source == "call" and call.asked_kwargs is not None:
         state.ask, state.ask_from = dict(call.asked_kwargs), call.asked_from
-    entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=_same_as_last(state, decision))
+    entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=_same_as_last(state, facts, decision))
     state.last = entry
     return result
 
@@ -110,9 +110,10 @@ def _effective_ask(call: EnableCall, state: apply.ModelState) -> tuple[Mapping[s
     return call.asked_kwargs, call.asked_from
 
 
-def _same_as_last(state: apply.ModelState, decision: Any) -> bool:
+def _same_as_last(state: apply.ModelState, facts: Any, decision: Any) -> bool:
     last = state.last
-    return bool(last) and last["decision"]["values"] == decision.values and last["rules"] == decision.rules
+    return (bool(last) and last["decision"]["values"] == decision.values and last["rules"] == decision.rules
+            and last["asked"]["from"] == facts.asked_from)
 
 
 def _failed_open(stage: str, exc: BaseException, cfg: settings.Settings) -> None:
