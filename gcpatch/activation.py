@@ -70,8 +70,6 @@ def deactivate() -> None:
     """Remove the watcher and every installed patch, restoring the originals."""
     global _active
     _active = False
-# GCPATCH as the process found it, before activate() set it for children (for `gcpatch doctor`).
-ENV_AT_START = os.environ.get("GCPATCH")
     _remove_watcher()
     if "gcpatch.engine" in sys.modules:
         sys.modules["gcpatch.engine"].stop()

@@ -23,6 +23,9 @@ class ModelState:
 
     ask: dict[str, Any] | None = None
     ask_from: str = ""
+    replay: Callable[[Any, Any], Any] | None = None  # re-runs the public enable on a model (re-decisions)
+    context: dict[str, Any] = field(default_factory=dict)  # wrap-time facts (DDP)
+    trainer: str = ""
     input_hooks: list[Any] = field(default_factory=list)
     first_forward: Any = None
     eval_fixed: list[tuple[Any, Any]] = field(default_factory=list)
@@ -73,10 +76,12 @@ def reset(model: Any) -> None:
 
 
 def remove_all(model: Any) -> None:
+    """The user disabled checkpointing: take back everything, and re-decide nothing later."""
     reset(model)
     state = _states.get(model)
     if state is not None:
         _remove_input_hooks(state)
+        state.replay = None
 
 
 def fix_eval_mode(model: Any) -> int:

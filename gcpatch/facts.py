@@ -37,7 +37,12 @@ def gather(
     source: str,
     asked_kwargs: Mapping[str, Any] | None,
     asked_from: str,
+    context: Mapping[str, Any] | None = None,
+    trainer: str = "",
 ) -> Facts:
+    """`context` holds what was learnt when the model was wrapped later (DDP's
+    find_unused_parameters); `trainer` names the Trainer class making the call."""
+    context = context or {}
     trainable = frozen = 0
     for param in model.parameters():
         if param.requires_grad:
@@ -72,6 +77,8 @@ def gather(
         distributed="ddp" if world_size > 1 else "none",
         versions=versions(),
         grad_enabled=_grad_enabled(),
+        find_unused_parameters=bool(context.get("find_unused_parameters", False)),
+        trainer=trainer,
     )
 
 

@@ -1,8 +1,10 @@
 """One decision, start to end: facts -> votes -> resolve -> apply -> record.
 
 Plugins call `run_enable` from their patch points with an `EnableCall` that knows how to run
-the framework's own enable. Anything that fails inside gcpatch runs that call as the user made
-it and logs one line; strict mode raises a GcpatchError instead (issue #3 item 9).
+the framework's own enable, and `redecide` when a model is wrapped after checkpointing was
+enabled (PEFT, DDP): config-time, enable-time and wrap-time decisions are this one path.
+Anything that fails inside gcpatch runs the call as the user made it and logs one line;
+strict mode raises a GcpatchError instead (issue #3 item 9).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from gcpatch.schema import EVAL_MODE_FIX, USE_REENTRANT
 
 log = logging.getLogger("gcpatch")
 _inside = contextvars.ContextVar("gcpatch_inside_decision", default=False)
+_source_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("gcpatch_source", default=None)
 
 
 @dataclass
@@ -27,10 +30,12 @@ class EnableCall:
 
     model: Any
     api: str
-    source: str  # "call": the user's code; "trainer": a Trainer re-enabling (X3)
-    asked_kwargs: Mapping[str, Any] | None  # the checkpoint kwargs passed, None when none were
+    source: str  # "call": the user's code; "trainer": a Trainer re-enabling (X3); a framework's name
+    asked_kwargs: Mapping[str, Any] | None  # the checkpoint kwargs asked for, None when none were
     asked_from: str
     invoke: Callable[[Mapping[str, Any] | None], Any]  # runs the original with these kwargs
+    replay: Callable[[Any, Mapping[str, Any] | None], Any] | None = None  # re-enables a model later
+    trainer: str = ""
 
 
 def run_enable(call: EnableCall) -> Any:
@@ -38,10 +43,12 @@ def run_enable(call: EnableCall) -> Any:
         return call.invoke(call.asked_kwargs)  # an enable nested in ours: the outer decision stands
     cfg = settings.read()
     state = apply.state_of(call.model)
+    source = _source_override.get() or call.source
     asked, asked_from = _effective_ask(call, state)
     try:
-        facts = facts_mod.gather(call.model, stage="enable", api=call.api, source=call.source,
-                                 asked_kwargs=asked, asked_from=asked_from)
+        facts = facts_mod.gather(call.model, stage="enable", api=call.api, source=source,
+                                 asked_kwargs=asked, asked_from=asked_from, context=state.context,
+                                 trainer=call.trainer or state.trainer)
         votes = resolve.stance_votes(facts) + engine.host().votes(facts)
         decision = resolve.resolve(votes, cfg.mode)
     except GcpatchError:
@@ -63,11 +70,28 @@ def run_enable(call: EnableCall) -> Any:
         apply.remove_all(call.model)
         _failed_open("apply", exc, cfg)
         return call.invoke(call.asked_kwargs)
-    if call.source == "call" and call.asked_kwargs is not None:
+    if call.asked_kwargs is not None and USE_REENTRANT in call.asked_kwargs and source != "trainer":
         state.ask, state.ask_from = dict(call.asked_kwargs), call.asked_from
+    state.replay = call.replay or state.replay
+    state.trainer = call.trainer or state.trainer
     entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=_same_as_last(state, facts, decision))
     state.last = entry
     return result
+
+
+def redecide(model: Any, source: str, **context: Any) -> bool:
+    """Decide again for a model whose set-up changed after checkpointing was enabled (wrapped by
+    PEFT, by DDP): the same path as the user's enable, with what is known now."""
+    state = apply._states.get(model)
+    if state is None or state.replay is None or not _checkpointing_on(model):
+        return False
+    state.context.update(context)
+    token = _source_override.set(source)
+    try:
+        state.replay(model, state.ask)
+    finally:
+        _source_override.reset(token)
+    return True
 
 
 def run_first_forward(model: Any) -> None:
@@ -79,7 +103,8 @@ def run_first_forward(model: Any) -> None:
     try:
         facts = facts_mod.gather(model, stage="first_forward", api=last.get("api", "?"),
                                  source=last.get("source", "call"), asked_kwargs=state.ask,
-                                 asked_from=state.ask_from or "nothing")
+                                 asked_from=state.ask_from or "nothing", context=state.context,
+                                 trainer=state.trainer)
         decision = resolve.resolve(engine.host().votes(facts), cfg.mode)
         if not decision.winners and not decision.warnings:
             return
@@ -100,14 +125,21 @@ def run_first_forward(model: Any) -> None:
 
 
 def _effective_ask(call: EnableCall, state: apply.ModelState) -> tuple[Mapping[str, Any] | None, str]:
-    """The Trainer re-enables with TrainingArguments and would erase a model-level choice (the
-    last writer wins, transformers#26221); unless TrainingArguments names use_reentrant, the
-    user's earlier model-level ask stands (X3)."""
-    trainer_silent = call.asked_kwargs is None or USE_REENTRANT not in call.asked_kwargs
-    if call.source == "trainer" and trainer_silent and state.ask is not None:
-        merged = {**state.ask, **(call.asked_kwargs or {})}
-        return merged, f"{state.ask_from}, kept over the Trainer's re-enable (X3)"
+    """A re-enable that names no use_reentrant (the Trainer's from TrainingArguments, TRL's
+    disable_gradient_checkpointing on exit, peft's kbit preparation) would reset the user's
+    earlier choice (the last writer wins, transformers#26221): that earlier ask stands (X3)."""
+    redecided = _source_override.get()
+    if redecided and state.ask is not None:
+        return state.ask, f"{state.ask_from} (decided again: {redecided})"
+    silent = call.asked_kwargs is None or USE_REENTRANT not in call.asked_kwargs
+    if silent and state.ask is not None:
+        merged = {**(call.asked_kwargs or {}), USE_REENTRANT: state.ask[USE_REENTRANT]}
+        return merged, f"{state.ask_from}, kept over a re-enable that names none (X3)"
     return call.asked_kwargs, call.asked_from
+
+
+def _checkpointing_on(model: Any) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in facts_mod.checkpoint_layers(model))
 
 
 def _same_as_last(state: apply.ModelState, facts: Any, decision: Any) -> bool:

@@ -96,6 +96,8 @@ class Facts:
     distributed: str  # "none" | "ddp" (multi-process launcher seen)
     versions: Mapping[str, str | None]
     grad_enabled: bool = True
+    find_unused_parameters: bool = False  # DDP(find_unused_parameters=True) wraps this model
+    trainer: str = ""  # "module.Class" of the Trainer running this call, if any
 
     @property
     def partially_frozen(self) -> bool:

@@ -9,10 +9,13 @@ Patch points, proved per version by tests/test_patch_points.py:
   wrapping a layer's `forward` would switch checkpointing off (`is_outermost`), so neither is done.
 - the disable of each generation, to undo what gcpatch added.
 - `Trainer.train`, to know that an enable call is the Trainer's re-enable (X3).
+- `TrainingArguments.__post_init__`, to remember which checkpoint kwargs the user set, so a
+  value a framework writes in later (TRL's T1/T2) is not taken for the user's ask.
 """
 from __future__ import annotations
 
 import contextvars
+import copy
 from typing import Any
 
 from gcpatch.hookspecs import hookimpl
@@ -34,7 +37,8 @@ from gcpatch.schema import (
 )
 
 _V5_CHOKE = "_activation_checkpointing_enable"
-_trainer_args: contextvars.ContextVar[Any] = contextvars.ContextVar("gcpatch_trainer_args", default=None)
+_trainer: contextvars.ContextVar[Any] = contextvars.ContextVar("gcpatch_trainer", default=None)
+_USER_KWARGS = "_gcpatch_user_checkpoint_kwargs"
 
 RULES = (
     Rule("X1", "5.x renamed the API to activation_checkpointing_enable (gradient_checkpointing_enable is a "
@@ -82,6 +86,8 @@ def gcpatch_patch_points() -> list[PatchPoint]:
                    _disable, applies=v5, why="undo gcpatch's hooks with the user's disable"),
         PatchPoint("transformers.trainer", "Trainer.train", _trainer_train,
                    why="X3: the Trainer's re-enable goes through the same decision"),
+        PatchPoint("transformers.training_args", "TrainingArguments.__post_init__", _training_args_post_init,
+                   why="remember the user's own checkpoint kwargs before a trainer adds to them"),
     ]
 
 
@@ -113,7 +119,7 @@ def _enable_v4(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
     # gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None)
     asked = args[0] if args else kwargs.get("gradient_checkpointing_kwargs")
     return run_enable(_call(model, "gradient_checkpointing_enable", asked, "gradient_checkpointing_kwargs",
-                            lambda chosen: wrapped(gradient_checkpointing_kwargs=chosen)))
+                            lambda chosen: wrapped(gradient_checkpointing_kwargs=chosen), _replay_v4))
 
 
 def _enable_v5(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
@@ -122,24 +128,44 @@ def _enable_v5(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
     bound = dict(zip(names, args))
     bound.update(kwargs)
     asked = bound.pop("activation_checkpointing_kwargs", None)
+
+    def replay(target: Any, chosen: Any) -> Any:
+        return target.activation_checkpointing_enable(chosen, **bound)
+
     return run_enable(_call(model, "activation_checkpointing_enable", asked, "activation_checkpointing_kwargs",
-                            lambda chosen: wrapped(chosen, **bound)))
+                            lambda chosen: wrapped(chosen, **bound), replay))
 
 
-def _call(model: Any, api: str, asked: Any, kwarg_name: str, invoke: Any) -> EnableCall:
-    trainer_args = _trainer_args.get()
-    if trainer_args is not None:
+def _replay_v4(model: Any, chosen: Any) -> Any:
+    return model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=chosen)
+
+
+def _call(model: Any, api: str, asked: Any, kwarg_name: str, invoke: Any, replay: Any) -> EnableCall:
+    trainer = _trainer.get()
+    trainer_name = f"{type(trainer).__module__}.{type(trainer).__name__}" if trainer is not None else ""
+    if trainer is not None:
         source = "trainer"
-        asked_from = f"TrainingArguments.{_training_args_field(trainer_args)}" if asked else "nothing (Trainer)"
+        asked, asked_from = _attributed(asked, getattr(trainer, "args", None), type(trainer).__name__)
     else:
         source = "call"
         asked_from = f"{type(model).__name__}.{api}({kwarg_name}=...)" if asked else "nothing"
-    return EnableCall(model=model, api=api, source=source, asked_kwargs=asked, asked_from=asked_from, invoke=invoke)
+    return EnableCall(model=model, api=api, source=source, asked_kwargs=asked, asked_from=asked_from,
+                      invoke=invoke, replay=replay, trainer=trainer_name)
 
 
-def _training_args_field(args: Any) -> str:
-    return ("activation_checkpointing_kwargs" if hasattr(args, "activation_checkpointing_kwargs")
-            else "gradient_checkpointing_kwargs")
+def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:
+    """Only the user's own use_reentrant is an ask: one a trainer wrote into TrainingArguments
+    after the user built them (TRL's T1 default, its T2 override) is that framework's vote."""
+    field = "activation_checkpointing_kwargs" if hasattr(args, "activation_checkpointing_kwargs") else \
+        "gradient_checkpointing_kwargs"
+    if not asked:
+        return asked, f"nothing (TrainingArguments.{field} unset)"
+    user = getattr(args, _USER_KWARGS, None)
+    if user is not None and "use_reentrant" in asked and "use_reentrant" not in user:
+        rest = {k: v for k, v in asked.items() if k != "use_reentrant"}
+        return rest or None, (f"nothing (use_reentrant={asked['use_reentrant']} in TrainingArguments.{field} "
+                              f"was set by {trainer}, not by the user)")
+    return asked, f"TrainingArguments.{field}"
 
 
 def _disable(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
@@ -148,8 +174,16 @@ def _disable(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _trainer_train(wrapped: Any, trainer: Any, args: tuple, kwargs: dict) -> Any:
-    token = _trainer_args.set(getattr(trainer, "args", None))
+    token = _trainer.set(trainer)
     try:
         return wrapped(*args, **kwargs)
     finally:
-        _trainer_args.reset(token)
+        _trainer.reset(token)
+
+
+def _training_args_post_init(wrapped: Any, training_args: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    user = (getattr(training_args, "activation_checkpointing_kwargs", None)
+            or getattr(training_args, "gradient_checkpointing_kwargs", None) or {})
+    object.__setattr__(training_args, _USER_KWARGS, copy.deepcopy(dict(user)) if isinstance(user, dict) else {})
+    return result
