@@ -35,6 +35,10 @@ class ModelState:
 _states: weakref.WeakKeyDictionary[Any, ModelState] = weakref.WeakKeyDictionary()
 
 
+def has_state(model: Any) -> bool:
+    return model in _states
+
+
 def state_of(model: Any) -> ModelState:
     state = _states.get(model)
     if state is None:

@@ -6,6 +6,7 @@ order of `import gcpatch` and `import transformers` does not matter (issue #3 it
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ class Installed:
     original: Any
     wrapper: Any
     inherited: bool
+    copies: list[tuple[Any, str]]
 
 
 class Patcher:
@@ -59,7 +61,8 @@ class Patcher:
                 return  # already ours (the start-up line ran twice)
             wrapper = _GcpatchWrapper(original, _fail_open(point, plugin, self._strict))
             setattr(owner, attr, wrapper)
-            self.installed[key] = Installed(point, plugin, owner, attr, original, wrapper, inherited)
+            copies = _replace_copies(original, wrapper) if point.copies else []
+            self.installed[key] = Installed(point, plugin, owner, attr, original, wrapper, inherited, copies)
         except Exception as exc:
             if self._strict:
                 raise GcpatchError(f"could not patch {point.module}.{point.target}: {exc}", rule=f"plugin:{plugin}") from exc
@@ -69,6 +72,9 @@ class Patcher:
         """Put every original back, by identity, where our wrapper still stands."""
         self._stopped = True
         for item in self.installed.values():
+            for module, name in item.copies:
+                if vars(module).get(name) is item.wrapper:
+                    setattr(module, name, item.original)
             if vars(item.owner).get(item.attr) is not item.wrapper:
                 continue  # someone wrapped over us: leave their object alone
             if item.inherited:
@@ -80,6 +86,21 @@ class Patcher:
 
 class _GcpatchWrapper(wrapt.FunctionWrapper):
     _self_gcpatch = True
+
+
+def _replace_copies(original: Any, wrapper: Any) -> list[tuple[Any, str]]:
+    """Point every module-level name bound to `original` at `wrapper` (P3): modules imported
+    before the patch hold their own reference. Later imports get the wrapper anyway."""
+    replaced = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            if value is original:
+                setattr(module, name, wrapper)
+                replaced.append((module, name))
+    return replaced
 
 
 def _resolve(module: Any, target: str) -> tuple[Any, str]:

@@ -22,6 +22,23 @@ from gcpatch.schema import EVAL_MODE_FIX, USE_REENTRANT
 log = logging.getLogger("gcpatch")
 _inside = contextvars.ContextVar("gcpatch_inside_decision", default=False)
 _source_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("gcpatch_source", default=None)
+_caller: contextvars.ContextVar[str | None] = contextvars.ContextVar("gcpatch_caller", default=None)
+
+
+class called_by:
+    """Label the enable calls a framework makes on the user's behalf (peft's kbit preparation)
+    so the record says who asked for what."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> None:
+        self._token = _caller.set(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _caller.reset(self._token)
 
 
 @dataclass
@@ -43,7 +60,7 @@ def run_enable(call: EnableCall) -> Any:
         return call.invoke(call.asked_kwargs)  # an enable nested in ours: the outer decision stands
     cfg = settings.read()
     state = apply.state_of(call.model)
-    source = _source_override.get() or call.source
+    source = _source_override.get() or _caller.get() or call.source
     asked, asked_from = _effective_ask(call, state)
     try:
         facts = facts_mod.gather(call.model, stage="enable", api=call.api, source=source,
@@ -131,6 +148,9 @@ def _effective_ask(call: EnableCall, state: apply.ModelState) -> tuple[Mapping[s
     redecided = _source_override.get()
     if redecided and state.ask is not None:
         return state.ask, f"{state.ask_from} (decided again: {redecided})"
+    caller = _caller.get()
+    if caller and call.source == "call":
+        call.asked_from = f"{caller}(gradient_checkpointing_kwargs=...)" if call.asked_kwargs else f"nothing ({caller})"
     silent = call.asked_kwargs is None or USE_REENTRANT not in call.asked_kwargs
     if silent and state.ask is not None:
         merged = {**(call.asked_kwargs or {}), USE_REENTRANT: state.ask[USE_REENTRANT]}

@@ -46,6 +46,7 @@ class PatchPoint:
 
     `wrapper` has wrapt's signature (wrapped, instance, args, kwargs). `applies` is asked with
     the imported module and says whether this version has the target (X1: the API changed).
+    `copies` covers re-exports imported before the patch (P3: peft's aliases).
     """
 
     module: str
@@ -53,6 +54,7 @@ class PatchPoint:
     wrapper: Callable[..., Any]
     applies: Callable[[Any], bool] = lambda module: True
     why: str = ""
+    copies: bool = False  # also replace `from x import f` copies already bound in other modules
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,55 @@
+"""torch DDP: `find_unused_parameters=True` with reentrant checkpointing marks a parameter ready
+twice ("Expected to mark a variable ready only once", trl#4782, accelerate#2017). DDP wraps the
+model after checkpointing was enabled, so the decision is taken again when DDP is built (R4).
+Every rank builds DDP with the same arguments: the re-decision is the same on every rank.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from gcpatch.apply import has_state
+from gcpatch.hookspecs import hookimpl
+from gcpatch.pipeline import redecide
+from gcpatch.schema import CRASH, REQUIRED, USE_REENTRANT, Facts, PatchPoint, PluginInfo, Rule, Vote
+
+RULES = (
+    Rule("R4", "multi-process DDP with find_unused_parameters=True + reentrant -> non-reentrant",
+         "torch/nn/parallel/distributed.py; trl#4782, accelerate#2017, TRL T4"),
+)
+
+INFO = PluginInfo(name="ddp", framework="torch", versions=">=2.0", rules=RULES)
+
+
+@hookimpl
+def gcpatch_plugin_info() -> PluginInfo:
+    return INFO
+
+
+@hookimpl
+def gcpatch_patch_points() -> list[PatchPoint]:
+    return [PatchPoint("torch.nn.parallel.distributed", "DistributedDataParallel.__init__", _ddp_init,
+                       why="R4: decide again when DDP wraps a checkpointed model")]
+
+
+@hookimpl
+def gcpatch_vote(facts: Facts) -> list[Vote]:
+    if facts.stage == "enable" and facts.world_size > 1 and facts.find_unused_parameters:
+        return [Vote(USE_REENTRANT, False, REQUIRED, "R4",
+                     f"DDP over {facts.world_size} processes with find_unused_parameters=True: reentrant "
+                     "recompute marks parameters ready twice", avoids=CRASH)]
+    return []
+
+
+def _ddp_init(wrapped: Any, ddp: Any, args: tuple, kwargs: dict) -> Any:
+    bound = _signature(wrapped).bind_partial(*args, **kwargs).arguments
+    module = bound.get("module")
+    if bound.get("find_unused_parameters") and module is not None:
+        for sub in module.modules():
+            if has_state(sub):
+                redecide(sub, "DDP(find_unused_parameters=True) (R4)", find_unused_parameters=True)
+    return wrapped(*args, **kwargs)
+
+
+def _signature(function: Any) -> inspect.Signature:
+    return inspect.signature(function)

@@ -1,0 +1,54 @@
+"""DeepSpeed ZeRO-3: frozen (PEFT) parameters partitioned by ZeRO-3 change shape between forward
+and recompute, so non-reentrant checkpointing raises `CheckpointError: Recomputed values ...
+different metadata` on releases without the fix (trl#2514). There reentrant + the input-grads
+hook is the only correct choice (R3, TRL T2, Axolotl A3); fixed releases need no override.
+"""
+from __future__ import annotations
+
+from packaging.version import InvalidVersion, Version
+
+from gcpatch.hookspecs import hookimpl
+from gcpatch.schema import CRASH, INPUT_GRADS_HOOK, REQUIRED, USE_REENTRANT, Facts, PluginInfo, Rule, Vote
+
+# The first release whose runtime/zero/partitioned_param_coordinator.py skips frozen params
+# during checkpoint recompute (`in_checkpoint_recompute`; DeepSpeed PRs #8130/#8148).
+FIRST_FIXED = Version("0.19.0")
+
+RULES = (
+    Rule("R3", f"ZeRO-3 + frozen or PEFT parameters on DeepSpeed < {FIRST_FIXED} -> reentrant + input-grads hook, "
+         "even over the user's False (non-reentrant raises CheckpointError on recompute)",
+         "deepspeed/runtime/zero/partitioned_param_coordinator.py (in_checkpoint_recompute), trl#2514, TRL T2, "
+         "Axolotl A3", f"deepspeed<{FIRST_FIXED}"),
+)
+
+INFO = PluginInfo(name="deepspeed", framework="deepspeed", versions=">=0.9", rules=RULES)
+
+
+@hookimpl
+def gcpatch_plugin_info() -> PluginInfo:
+    return INFO
+
+
+@hookimpl
+def gcpatch_patch_points() -> list:
+    return []  # ZeRO-3 is a fact (facts.py), read at every decision
+
+
+@hookimpl
+def gcpatch_vote(facts: Facts) -> list[Vote]:
+    if facts.stage != "enable" or not facts.zero3 or not (facts.peft or facts.frozen_params):
+        return []
+    if not _lacks_fix(facts.versions.get("deepspeed")):
+        return []
+    why = (f"ZeRO-3 with frozen parameters on DeepSpeed {facts.versions.get('deepspeed')} (< {FIRST_FIXED}): "
+           "non-reentrant recompute raises CheckpointError")
+    return [Vote(USE_REENTRANT, True, REQUIRED, "R3", why, avoids=CRASH),
+            Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R3", "reentrant kept for ZeRO-3: the first input must need grad",
+                 avoids=CRASH)]
+
+
+def _lacks_fix(version: str | None) -> bool:
+    try:
+        return version is not None and Version(version) < FIRST_FIXED
+    except InvalidVersion:
+        return False
