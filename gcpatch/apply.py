@@ -29,6 +29,7 @@ class ModelState:
     input_hooks: list[Any] = field(default_factory=list)
     first_forward: Any = None
     eval_fixed: list[tuple[Any, Any]] = field(default_factory=list)
+    mode_sync: Any = None  # R5's pre-hook: layers checkpoint only in grad-enabled forwards
     last: dict[str, Any] | None = None
 
 
@@ -74,6 +75,9 @@ def reset(model: Any) -> None:
         if isinstance(layer._gradient_checkpointing_func, _ModePreservingCheckpoint):
             layer._gradient_checkpointing_func = func
     state.eval_fixed.clear()
+    if state.mode_sync is not None:
+        state.mode_sync.remove()
+        state.mode_sync = None
     if state.first_forward is not None:
         state.first_forward.remove()
         state.first_forward = None
@@ -92,7 +96,9 @@ def fix_eval_mode(model: Any) -> int:
     """R5: let checkpointing take effect on layers left in eval mode, without changing what
     their forward computes. The layer's own `training` flag (which transformers reads to decide
     whether to checkpoint) is set, and the checkpointed body runs with the user's mode again,
-    so dropout and every other train/eval switch stay as the user left them."""
+    so dropout and every other train/eval switch stay as the user left them. The flag is set only
+    for forwards that build a graph: under no_grad (generate, evaluation) the layers are back in
+    the user's mode, else transformers' checkpoint branch would drop the KV cache."""
     state = state_of(model)
     fixed = 0
     for layer in checkpoint_layers(model):
@@ -105,7 +111,18 @@ def fix_eval_mode(model: Any) -> int:
         layer._gradient_checkpointing_func = _ModePreservingCheckpoint(func, layer)
         layer.training = True
         fixed += 1
+    if fixed and state.mode_sync is None:
+        layers = [weakref.ref(layer) for layer, _ in state.eval_fixed]
+        state.mode_sync = model.register_forward_pre_hook(lambda module, args: _sync_modes(layers))
     return fixed
+
+
+def _sync_modes(layers: list[weakref.ref]) -> None:
+    grad = torch.is_grad_enabled()
+    for ref in layers:
+        layer = ref()
+        if layer is not None:
+            layer.training = grad or _user_mode(layer)
 
 
 class _ModePreservingCheckpoint:

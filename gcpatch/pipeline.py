@@ -164,8 +164,8 @@ def _checkpointing_on(model: Any) -> bool:
 
 def _same_as_last(state: apply.ModelState, facts: Any, decision: Any) -> bool:
     last = state.last
-    return (bool(last) and last["decision"]["values"] == decision.values and last["rules"] == decision.rules
-            and last["asked"]["from"] == facts.asked_from)
+    return (bool(last) and last["decision"]["values"] == decision.values
+            and last["decision"]["rules"] == decision.rules and last["asked"]["from"] == facts.asked_from)
 
 
 def _failed_open(stage: str, exc: BaseException, cfg: settings.Settings) -> None:

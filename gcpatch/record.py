@@ -36,6 +36,16 @@ def configure_logging(level: str) -> None:
     log.addHandler(handler)
 
 
+def applied_rules(outcome: Decision, applied: dict[str, Any]) -> list[str]:
+    """The rules behind what took effect: a vote for a hook that the choice did not need is
+    shown by `explain` as such, not listed as applied."""
+    rules: list[str] = []
+    for knob, vote in outcome.winners.items():
+        if knob in applied and vote.rule not in rules:
+            rules.append(vote.rule)
+    return rules
+
+
 def history() -> list[dict[str, Any]]:
     return list(_history)
 
@@ -56,7 +66,7 @@ def decision(
         "source": facts.source,
         "asked": {"use_reentrant": facts.asked_use_reentrant, "from": facts.asked_from},
         "applied": applied,
-        "rules": outcome.rules,
+        "rules": applied_rules(outcome, applied),
         # Only the knobs that took effect: a vote for a hook that reentrant did not need is noise.
         "why": {knob: f"{v.rule}: {v.reason}" for knob, v in outcome.winners.items() if knob in applied},
         "decision": outcome.to_dict(),

@@ -5,7 +5,7 @@ can compare its decisions with the others' as data.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 # Vote strengths, strongest first (RULES.md §3).
@@ -106,7 +106,8 @@ class Facts:
         return self.trainable_params > 0 and self.frozen_params > 0
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        # Not asdict(): it deep-copies, and the user's checkpoint kwargs may hold anything.
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["asked_kwargs"] = {k: _plain(v) for k, v in self.asked_kwargs.items()}
         data["versions"] = dict(self.versions)
         data["partially_frozen"] = self.partially_frozen

@@ -1,0 +1,69 @@
+"""Fixtures of the integration suite: every script run is a subprocess, run at most once per
+session and shared by the tests that read it. The runs a test module lists in `RUNS` are
+started in the background as soon as the first test asks for one, as many at a time as there
+are CPU cores, so the suite costs about (runs x interpreter start-up) / cores."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from _run import Run, Spec, run_script
+
+
+class ScriptRuns:
+    def __init__(self, base: Path, workers: int) -> None:
+        self._base = base
+        self._pool = ThreadPoolExecutor(max_workers=workers)
+        self._futures: dict[Spec, Future] = {}
+
+    def submit(self, spec: Spec) -> Future:
+        if spec not in self._futures:
+            workdir = self._base / f"run{len(self._futures):02d}"
+            self._futures[spec] = self._pool.submit(run_script, spec, workdir)
+        return self._futures[spec]
+
+    def get(self, script: str, *args: str, gcpatch: bool) -> Run:
+        run = self.submit(Spec(script, tuple(args), gcpatch)).result()
+        assert run.returncode == 0 and run.result, f"script failed or printed no single RESULT line\n{run.describe()}"
+        return run
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="session")
+def script_runs(request, tmp_path_factory) -> ScriptRuns:
+    workers = int(os.environ.get("GCPATCH_IT_WORKERS", "0")) or max(1, min(4, os.cpu_count() or 1))
+    runs = ScriptRuns(tmp_path_factory.mktemp("scripts"), workers)
+    request.config._gcpatch_script_runs = runs._futures
+    # Start every run the selected tests' modules declare, plain and with gcpatch.
+    seen = []
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        if module is not None and module not in seen:
+            seen.append(module)
+    for module in seen:
+        for spec in getattr(module, "RUNS", ()):
+            runs.submit(spec)
+            runs.submit(spec.plain())
+    yield runs
+    runs.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per script run: wall time and the RESULT figures the tests read."""
+    runs = getattr(config, "_gcpatch_script_runs", None)
+    if not runs:
+        return
+    terminalreporter.section("gcpatch integration runs")
+    for spec, future in runs.items():
+        if not future.done() or future.cancelled():
+            continue
+        run = future.result()
+        keys = ("wrong", "applied_use_reentrant", "ratio_eval_gc_to_train_gc", "dropout_flags_unchanged",
+                "loss_equal_eval_nogc", "use_reentrant_after", "tokens_equal")
+        figures = {k: run.result[k] for k in keys if k in run.result}
+        terminalreporter.write_line(f"{run.wall_s:5.1f}s  {spec.label()}  {figures}")

@@ -1,0 +1,103 @@
+"""Helpers shared by the integration scripts. Ordinary user code: nothing here imports gcpatch.
+
+Every model is built from a fresh config object (gcpatch's R6 sets `config.use_cache=False` on
+the config it is handed), from a fixed seed, so two builds give identical weights.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import torch
+
+SEQ_LEN = 16
+VOCAB = 64
+
+
+def llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    return GPT2LMHeadModel(config)
+
+
+def freeze_embeddings_and_first_layer(model) -> None:
+    """The partially frozen set-up of issue #3: embeddings and layer 0 frozen, 11 tensors train."""
+    for param in model.model.embed_tokens.parameters():
+        param.requires_grad_(False)
+    for param in model.model.layers[0].parameters():
+        param.requires_grad_(False)
+
+
+def input_ids(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, SEQ_LEN), generator=gen)
+
+
+def trainable_grads(model) -> dict[str, torch.Tensor | None]:
+    return {name: (None if p.grad is None else p.grad.detach().clone())
+            for name, p in model.named_parameters() if p.requires_grad}
+
+
+def compare_grads(got: dict, ref: dict, atol: float = 1e-5) -> dict:
+    """How many trainable tensors got no gradient, or one that differs from the reference."""
+    assert got.keys() == ref.keys(), (sorted(got), sorted(ref))
+    none = sorted(n for n, g in got.items() if g is None)
+    ref_none = sorted(n for n, g in ref.items() if g is None)
+    differ = sorted(n for n, g in got.items()
+                    if g is not None and ref[n] is not None and not torch.allclose(g, ref[n], atol=atol, rtol=0))
+    wrong = sorted(set(none) | set(differ) | {n for n in ref_none if got[n] is not None})
+    return {"trainable": len(got), "wrong": len(wrong), "grad_none": len(none), "grad_differ": len(differ),
+            "ref_grad_none": len(ref_none), "wrong_names": wrong}
+
+
+def checkpoint_use_reentrant(model):
+    """The `use_reentrant` the checkpointed layers will call torch.utils.checkpoint with: the keyword
+    of the functools.partial transformers installs (unwrapping any object with a `.func`)."""
+    found: list = []
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is None or not getattr(module, "gradient_checkpointing", False):
+            continue
+        for _ in range(10):
+            if isinstance(func, functools.partial) or not hasattr(func, "func"):
+                break
+            func = func.func
+        value = (getattr(func, "keywords", None) or {}).get("use_reentrant", "unset")
+        if value not in found:
+            found.append(value)
+    if not found:
+        return "no checkpointed layer"
+    return found[0] if len(found) == 1 else found
+
+
+def gcpatch_seen() -> dict:
+    """Whether gcpatch is loaded in this interpreter (by the start-up hook, never by this script)
+    and from where, so a test can prove it exercised the installed copy."""
+    module = sys.modules.get("gcpatch")
+    return {"gcpatch_loaded": module is not None,
+            "gcpatch_file": getattr(module, "__file__", None) if module is not None else None}
+
+
+def versions() -> dict:
+    import transformers
+
+    return {"transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def emit(result: dict) -> None:
+    result = {**result, **versions(), **gcpatch_seen(), "env_GCPATCH": os.environ.get("GCPATCH")}
+    print("RESULT " + json.dumps(result, sort_keys=True), flush=True)

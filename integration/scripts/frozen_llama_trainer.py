@@ -1,0 +1,71 @@
+"""Scenario b: the partially frozen Llama trained through transformers.Trainer with
+TrainingArguments(gradient_checkpointing=True) and no checkpointing kwargs. The first step's
+gradients (captured in on_pre_optimizer_step, before the optimizer touches anything) are
+compared with those of the same Trainer set-up without checkpointing, on the same batch.
+
+usage: frozen_llama_trainer.py
+"""
+import tempfile
+import warnings
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import _common as c
+
+
+class Batch(torch.utils.data.Dataset):
+    """Two samples of the same length: with per_device_train_batch_size=2 the one batch is the
+    whole dataset, whatever order the sampler picks."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+class FirstStepGrads(TrainerCallback):
+    def __init__(self) -> None:
+        self.grads = None
+        self.use_reentrant = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.grads is None:
+            model = kwargs["model"]
+            self.grads = c.trainable_grads(model)
+            self.use_reentrant = c.checkpoint_use_reentrant(model)
+
+
+def train_one_step(checkpointing: bool, ids: torch.Tensor) -> FirstStepGrads:
+    model = c.llama()
+    c.freeze_embeddings_and_first_layer(model)
+    capture = FirstStepGrads()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, gradient_checkpointing=checkpointing, max_steps=1, per_device_train_batch_size=2,
+            report_to=[], use_cpu=True, learning_rate=0.0, max_grad_norm=0.0, save_strategy="no",
+            logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        )
+        Trainer(model=model, args=args, train_dataset=Batch(ids), callbacks=[capture]).train()
+    assert capture.grads is not None, "on_pre_optimizer_step never ran"
+    return capture
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    ids = c.input_ids(batch=2)
+    reference = train_one_step(False, ids)
+    checkpointed = train_one_step(True, ids)
+    c.emit({
+        "scenario": "frozen_llama_trainer",
+        **c.compare_grads(checkpointed.grads, reference.grads),
+        "applied_use_reentrant": checkpointed.use_reentrant,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Scenario c (R5): a GPT2 with dropout built and left in eval mode (as from_pretrained leaves
+it), gradient_checkpointing_enable(), forward+backward with grad enabled.
+
+Plain transformers checkpoints only layers in training mode, so nothing is checkpointed: the
+forward saves as much as without checkpointing (~12x what train mode saves). gcpatch makes the
+layers checkpoint while their forward still runs in eval mode (dropout stays off).
+"""
+from __future__ import annotations
+
+import pytest
+
+from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain, enable_records
+from _run import Spec
+
+SCRIPT = "eval_mode_gpt2.py"
+GENERATE = "eval_mode_generate.py"
+RUNS = [Spec(SCRIPT), Spec(GENERATE)]
+LAYERS = 4
+
+
+def test_eval_mode_model_checkpoints_and_saves_memory_like_train_mode(script_runs):
+    run = script_runs.get(SCRIPT, gcpatch=True)
+    assert_installed_gcpatch_ran(run)
+    r = run.result
+    assert r["ratio_eval_gc_to_train_gc"] <= 1.1, r
+    assert r["saved_bytes_eval_gc"] < r["saved_bytes_eval_nogc"] / 5, r
+
+
+def test_eval_mode_fix_leaves_dropout_off_and_results_exact(script_runs):
+    run = script_runs.get(SCRIPT, gcpatch=True)
+    r = run.result
+    assert r["dropout_modules"] > 0
+    assert r["dropout_flags_unchanged"] and r["dropout_all_off"], r
+    assert r["loss_equal_eval_nogc"], r["loss_abs_diff"]
+    assert r["grads_wrong"] == 0
+    assert r["model_training"] is False  # the model itself is still in eval mode
+    # what R5 changes: the checkpointed layers' own flag, and nothing else
+    assert r["modules_training_flag_changed"] == [f"transformer.h.{i}" for i in range(LAYERS)]
+
+
+def test_plain_eval_mode_checkpointing_saves_nothing(script_runs):
+    run = script_runs.get(SCRIPT, gcpatch=False)
+    assert_plain(run)
+    r = run.result
+    assert r["saved_bytes_eval_gc"] == r["saved_bytes_eval_nogc"]
+    assert r["ratio_eval_gc_to_train_gc"] >= 5, r
+    assert r["dropout_flags_unchanged"] and r["loss_equal_eval_nogc"]
+    assert r["modules_training_flag_changed"] == []
+
+
+def test_r5_decision_is_recorded_at_first_forward_and_explained(script_runs):
+    run = script_runs.get(SCRIPT, gcpatch=True)
+    records = run.records()
+    first = [rec for rec in records if rec.get("stage") == "first_forward"]
+    assert len(first) == 1, records  # only the eval-mode model: the train-mode one needs no fix
+    rec = first[0]
+    assert rec["rules"] == ["R5"]
+    assert rec["applied"] == {"eval_mode_fix": LAYERS}
+    assert rec["why"]["eval_mode_fix"].startswith("R5:")
+    assert rec["facts"]["layers_in_eval_mode"] == LAYERS and rec["facts"]["grad_enabled"] is True
+    assert len(enable_records(run)) == 2  # the eval-mode model and the train-mode model
+    assert any("R5" in line and f"eval_mode_fix={LAYERS}" in line for line in run.gcpatch_lines()), run.stderr
+    assert_explained(run, "R5", f"eval_mode_fix={LAYERS}")
+
+
+def test_generate_after_eval_mode_fix_matches_the_unpatched_model(script_runs):
+    # Regression: R5 once left the layers' own training flag set, so a later no_grad generate()
+    # took transformers' checkpoint branch, which drops the KV cache -> different tokens.
+    run = script_runs.get(GENERATE, gcpatch=True)
+    assert_installed_gcpatch_ran(run)
+    assert run.result["tokens_equal"], run.result
+
+
+def test_plain_generate_after_eval_mode_checkpointing_is_unchanged(script_runs):
+    run = script_runs.get(GENERATE, gcpatch=False)
+    assert_plain(run)
+    assert run.result["tokens_equal"], run.result
