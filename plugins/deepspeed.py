@@ -11,8 +11,8 @@ from gcpatch.hookspecs import hookimpl
 from gcpatch.schema import CRASH, INPUT_GRADS_HOOK, REQUIRED, USE_REENTRANT, Facts, PluginInfo, Rule, Vote
 
 # The first release whose runtime/zero/partitioned_param_coordinator.py skips frozen params
-# during checkpoint recompute (`in_checkpoint_recompute`; DeepSpeed PRs #8130/#8148).
-FIRST_FIXED = Version("0.19.0")
+# during checkpoint recompute (`in_checkpoint_recompute`, absent from 0.19.2; DeepSpeed PR #8148).
+FIRST_FIXED = Version("0.19.3")
 
 RULES = (
     Rule("R3", f"ZeRO-3 + frozen or PEFT parameters on DeepSpeed < {FIRST_FIXED} -> reentrant + input-grads hook, "
