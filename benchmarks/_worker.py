@@ -14,6 +14,7 @@ training steps can be interleaved round by round to cancel this shared machine's
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import sys
@@ -58,6 +59,16 @@ def task_enable(args: dict) -> dict:
     small_ms = [enable(m) for m in small_models]
     again_ms = [enable(tiny_models[1]) for _ in range(n)]  # the same model enabled again (Trainer re-enable)
     active = "gcpatch.engine" in sys.modules and sys.modules["gcpatch.engine"]._host is not None
+    versions_ms = None
+    if active:  # what each decision's version look-up costs (facts.versions)
+        from gcpatch import facts
+
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter_ns()
+            facts.versions()
+            samples.append((time.perf_counter_ns() - start) / 1e6)
+        versions_ms = sorted(samples)[len(samples) // 2]
     return {
         "import_transformers_ms": t1 - t0,
         "import_modeling_ms": t2 - t1,
@@ -66,6 +77,7 @@ def task_enable(args: dict) -> dict:
         "small_enable_ms": small_ms,
         "again_enable_ms": again_ms,
         "gcpatch_active": bool(active),
+        "versions_ms": versions_ms,
     }
 
 
@@ -127,24 +139,28 @@ def _layers(model):
 
 
 def task_case(args: dict) -> dict:
+    """One or more set-ups. Every hand variant of every set-up is built and measured before
+    gcpatch is imported; then gcpatch's variants; then the interleaved steps, set-up by set-up."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    setup = SETUPS[args["setup"]]
+    if args.get("threads"):
+        torch.set_num_threads(int(args["threads"]))
     torch.manual_seed(0)
     config = LlamaConfig(**args["model"])
     base = LlamaForCausalLM(config)
     batch, seq = int(args["batch"]), int(args["seq"])
     input_ids = torch.randint(0, config.vocab_size, (batch, seq))
+    # Features from a frozen encoder, computed once (a VLM's projected image and text tokens).
+    with torch.no_grad():
+        features = base.get_input_embeddings()(input_ids).clone()
     v5 = hasattr(base, "activation_checkpointing_enable")
 
-    def build(variant: str):
+    def build(setup: dict, variant: str):
         model = copy.deepcopy(base)
         for name, param in model.named_parameters():
             param.requires_grad_(setup["train"] == "all" or name.endswith(("q_proj.weight", "v_proj.weight")))
-        mode = setup["mode"]
-        if variant.startswith("hand-train"):
-            mode = "train"  # the hand fix of the eval-mode case: model.train() before training
+        mode = "train" if variant.startswith("hand-train") else setup["mode"]  # hand fix: model.train()
         model.train(mode == "train")
         if variant != "plain":
             model.config.use_cache = False  # what a careful user (and gcpatch, R6) does
@@ -160,19 +176,12 @@ def task_case(args: dict) -> dict:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
 
-    def forward(model):
+    def forward_of(setup: dict):
         if setup["feed"] == "inputs_embeds":
-            embeds = model.get_input_embeddings()(input_ids)  # computed by the caller, as a VLM does
-            return model(inputs_embeds=embeds, labels=input_ids).loss
-        return model(input_ids=input_ids, labels=input_ids).loss
+            return lambda model: model(inputs_embeds=features, labels=input_ids).loss
+        return lambda model: model(input_ids=input_ids, labels=input_ids).loss
 
-    hand = ["none", "plain", "hand-R", "hand-NR"]
-    if setup["mode"] == "eval":
-        hand += ["hand-train-R", "hand-train-NR"]
-    models: dict[str, object] = {}
-    out: dict[str, dict] = {}
-
-    def measure(variant: str, model) -> None:
+    def measure(variant: str, model, forward) -> dict:
         counter = SavedBytes(model)
         boundary = 0
         handles = []
@@ -194,67 +203,88 @@ def task_case(args: dict) -> dict:
             handle.remove()
         try:
             loss.backward()
-        except RuntimeError as exc:  # e.g. reentrant with no input requiring grad: nothing trains
+        except RuntimeError as exc:  # reentrant with no input requiring grad: nothing trains
             error = str(exc).splitlines()[0]
-        out[variant] = {"packed": counter.packed, "unique": counter.unique, "saved_tensors": counter.count,
-                        "error": error}
+        result = {"packed": counter.packed, "unique": counter.unique, "saved_tensors": counter.count,
+                  "error": error, "hooks": _hook_count(model)}
         if variant == "none":
-            out[variant]["floor_packed"] = counter.packed_outside + boundary
-            out[variant]["boundary"] = boundary
-            out[variant]["outside"] = counter.packed_outside
+            result.update(floor_packed=counter.packed_outside + boundary, boundary=boundary,
+                          outside=counter.packed_outside)
+        return result
 
-    for variant in hand:
-        models[variant] = build(variant)
-        measure(variant, models[variant])
+    names = args["setups"]
+    setups = {name: SETUPS[name] for name in names}
+    models: dict[str, dict] = {name: {} for name in names}
+    out: dict[str, dict] = {name: {} for name in names}
+    for name, setup in setups.items():
+        variants = ["none", "plain", "hand-R", "hand-NR"]
+        if setup["mode"] == "eval":
+            variants += ["hand-train-R", "hand-train-NR"]
+        for variant in variants:
+            models[name][variant] = model = build(setup, variant)
+            out[name][variant] = measure(variant, model, forward_of(setup))
 
+    t0 = time.perf_counter()
     import gcpatch  # starts the engine now: transformers is imported already
 
-    before = len(gcpatch.decisions())
-    models["gcpatch"] = build("gcpatch")
-    measure("gcpatch", models["gcpatch"])
-    decisions = gcpatch.decisions()[before:]
-    applied: dict = {}
-    rules: list = []
-    for entry in decisions:
-        applied.update(entry.get("applied", {}))
-        rules += [r for r in entry.get("rules", []) if r not in rules]
-    out["gcpatch"]["applied"] = {k: v for k, v in applied.items()}
-    out["gcpatch"]["rules"] = rules
+    import_gcpatch_ms = (time.perf_counter() - t0) * 1000
+    results = []
+    for name, setup in setups.items():
+        before = len(gcpatch.decisions())
+        models[name]["gcpatch"] = model = build(setup, "gcpatch")
+        out[name]["gcpatch"] = measure("gcpatch", model, forward_of(setup))
+        applied: dict = {}
+        rules: list = []
+        for entry in gcpatch.decisions()[before:]:
+            applied.update(entry.get("applied", {}))
+            rules += [r for r in entry.get("rules", []) if r not in rules]
+        out[name]["gcpatch"].update(applied=applied, rules=rules)
 
-    # Gradient correctness against the plain model without checkpointing.
-    ref = {n: p.grad for n, p in models["none"].named_parameters() if p.requires_grad}
-    for variant, model in models.items():
-        bad = 0
-        for name, param in model.named_parameters():
-            if not param.requires_grad:
-                continue
-            if param.grad is None or not torch.allclose(param.grad, ref[name], rtol=1e-4, atol=1e-6):
-                bad += 1
-        out[variant]["wrong_grads"] = bad
-        out[variant]["trainable"] = len(ref)
-        out[variant]["correct"] = bad == 0 and out[variant]["error"] is None
+        # Gradient correctness against the same set-up without checkpointing.
+        ref = {n: p.grad for n, p in models[name]["none"].named_parameters() if p.requires_grad}
+        for variant, model in models[name].items():
+            bad = sum(1 for n, p in model.named_parameters() if p.requires_grad and (
+                p.grad is None or not torch.allclose(p.grad, ref[n], rtol=1e-4, atol=1e-6)))
+            out[name][variant].update(wrong_grads=bad, trainable=len(ref),
+                                      correct=bad == 0 and out[name][variant]["error"] is None)
 
-    # gcpatch's use_reentrant, made by hand: the variant its step time is compared with.
-    choice = "R" if applied.get("use_reentrant") else "NR"
-    fixed_eval = bool(applied.get("eval_mode_fix"))
-    same = f"hand-train-{choice}" if fixed_eval else f"hand-{choice}"
-    other = f"hand-{'NR' if choice == 'R' else 'R'}"
-    timed = ["gcpatch", same]
-    if setup["mode"] == "train" and out.get(other, {}).get("correct"):
-        timed.append(other)  # reentrant vs non-reentrant, where both are correct
-    if setup["mode"] == "eval":
-        timed.append("plain")  # what the eval-mode user runs without gcpatch
-    elif args["setup"] == "full":
-        timed.append("none")  # the cost of checkpointing itself
-    steps = _interleaved_steps({v: models[v] for v in timed}, forward, int(args["warmup"]), int(args["steps"]))
-    return {
-        "setup": args["setup"], "label": setup["label"], "ask": setup["ask"], "mode": setup["mode"],
-        "variants": out, "same_choice": same, "other_choice": other if other in timed else None,
-        "step_s": steps, "threads": torch.get_num_threads(),
-        "trainable_params": sum(p.numel() for p in models["gcpatch"].parameters() if p.requires_grad),
-        "params": sum(p.numel() for p in base.parameters()),
-        "attn": getattr(config, "_attn_implementation", None),
-    }
+        # gcpatch's use_reentrant made by hand: the variant its step time is compared with.
+        choice = "R" if applied.get("use_reentrant") else "NR"
+        same = f"hand-train-{choice}" if applied.get("eval_mode_fix") else f"hand-{choice}"
+        other = f"hand-{'NR' if choice == 'R' else 'R'}"
+        timed = ["gcpatch", same]
+        if setup["mode"] == "train" and out[name][other]["correct"]:
+            timed.append(other)  # reentrant vs non-reentrant, where both are correct
+        if setup["mode"] == "eval":
+            timed.append("plain")  # what the eval-mode user runs without gcpatch
+        elif name == "full":
+            timed.append("none")  # what checkpointing itself costs
+        steps = _interleaved_steps({v: models[name][v] for v in timed}, forward_of(setup),
+                                   int(args["warmup"]), int(args["steps"]))
+        results.append({
+            "setup": name, "label": setup["label"], "ask": setup["ask"], "mode": setup["mode"],
+            "variants": out[name], "same_choice": same, "other_choice": other if other in timed else None,
+            "step_s": steps,
+            "trainable_params": sum(p.numel() for p in models[name]["gcpatch"].parameters() if p.requires_grad),
+        })
+        for variant in timed:  # free the optimiser-trained copies before the next set-up
+            models[name][variant] = None
+    return {"cases": results, "threads": torch.get_num_threads(), "import_gcpatch_ms": import_gcpatch_ms,
+            "params": sum(p.numel() for p in base.parameters()),
+            "attn": getattr(config, "_attn_implementation", None)}
+
+
+def _hook_count(model) -> int:
+    """Module hooks on the model and its submodules plus wrapped checkpoint functions: the code
+    a training step runs besides the model's own."""
+    count = 0
+    for module in model.modules():
+        for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            count += len(getattr(module, attr, {}) or {})
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is not None and not isinstance(func, functools.partial):
+            count += 1
+    return count
 
 
 def _interleaved_steps(models: dict, forward, warmup: int, steps: int) -> dict:

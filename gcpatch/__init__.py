@@ -5,8 +5,6 @@ Nothing heavy is imported here: the engine starts when a framework is first impo
 """
 from __future__ import annotations
 
-from typing import Any
-
 from gcpatch.activation import activate, deactivate, is_active
 from gcpatch.errors import GcpatchError
 
@@ -14,7 +12,7 @@ __all__ = ["GcpatchError", "activate", "deactivate", "decisions", "is_active", "
 __version__ = "0.1.0"
 
 
-def decisions() -> list[dict[str, Any]]:
+def decisions() -> list[dict]:  # no typing import: this module is on the start-up path
     """The decisions this process made, oldest first, as recorded."""
     from gcpatch import record
 

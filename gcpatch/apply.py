@@ -7,14 +7,23 @@ per-model state so enabling twice leaves one hook and disabling leaves the model
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from gcpatch.facts import checkpoint_layers, is_checkpoint_layer
 from gcpatch.schema import INPUT_GRADS_HOOK, USE_CACHE_OFF, USE_REENTRANT, Decision
+
+
+def _grad_enabled() -> bool:
+    # torch is imported by the host long before a model exists; importing it here would make
+    # the engine's start (at `import transformers`) load torch eagerly (benchmarks/RESULTS.md).
+    return sys.modules["torch"].is_grad_enabled()
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, sys.modules["torch"].Tensor)
 
 
 @dataclass
@@ -118,7 +127,7 @@ def fix_eval_mode(model: Any) -> int:
 
 
 def _sync_modes(layers: list[weakref.ref]) -> None:
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     for ref in layers:
         layer = ref()
         if layer is not None:
@@ -163,7 +172,7 @@ def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], 
     model_ref = weakref.ref(model)
 
     def pre_hook(module: Any, args: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not _grad_enabled():
             return
         if state.first_forward is not None:
             state.first_forward.remove()
@@ -201,7 +210,7 @@ def _remove_input_hooks(state: ModelState) -> None:
 
 
 def _output_requires_grad(module: Any, args: Any, output: Any) -> None:
-    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.is_floating_point():
+    if _grad_enabled() and _is_tensor(output) and output.is_floating_point():
         if not output.requires_grad:
             output.requires_grad_(True)
 
@@ -209,8 +218,8 @@ def _output_requires_grad(module: Any, args: Any, output: Any) -> None:
 def _inputs_embeds_require_grad(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     embeds = kwargs.get("inputs_embeds")
     if (
-        isinstance(embeds, torch.Tensor)
-        and torch.is_grad_enabled()
+        _is_tensor(embeds)
+        and _grad_enabled()
         and embeds.is_floating_point()
         and not embeds.requires_grad
     ):

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import lru_cache
-from importlib import metadata
 from typing import Any, Mapping
 
 from gcpatch.schema import Facts
 
-_VERSIONED = ("torch", "transformers", "accelerate", "peft", "trl", "deepspeed", "bitsandbytes")
+VERSIONED = ("torch", "transformers", "accelerate", "peft", "trl", "deepspeed", "bitsandbytes")
 
 
 def checkpoint_layers(model: Any) -> list[Any]:
@@ -82,15 +80,43 @@ def gather(
     )
 
 
-@lru_cache(maxsize=None)
+def for_config(
+    *,
+    api: str,
+    model_class: str,
+    asked_kwargs: Mapping[str, Any] | None,
+    asked_from: str,
+    partially_frozen: bool,
+    peft: bool,
+    kbit: bool,
+    zero3: bool,
+    world_size: int,
+    trainer: str = "",
+) -> Facts:
+    """Facts read from a config before the model exists. The parameter counts are not known
+    yet: a config that freezes part of the model counts one frozen and one trainable tensor, so
+    `partially_frozen` holds; the model-level decision later sees the real counts."""
+    asked = dict(asked_kwargs or {})
+    return Facts(
+        stage="config", api=api, source="config", model_class=model_class,
+        asked_use_reentrant=_as_bool(asked.get("use_reentrant")), asked_from=asked_from, asked_kwargs=asked,
+        trainable_params=1, frozen_params=1 if partially_frozen else 0, embeddings_trainable=None,
+        checkpointed_layers=0, trainable_in_checkpointed_layers=True, main_input_name="input_ids",
+        layers_in_eval_mode=0, checkpoint_layer_api=True, use_cache=None, peft=peft, kbit=kbit,
+        zero3=zero3, world_size=world_size, distributed="ddp" if world_size > 1 else "none",
+        versions=versions(), trainer=trainer,
+    )
+
+
 def versions() -> Mapping[str, str | None]:
-    """Installed versions, read once per process from metadata (no framework is imported)."""
+    """Versions of the frameworks this process has imported (None: not imported, so not in use).
+    Read from `__version__`, not metadata: a metadata scan costs milliseconds per package on the
+    first decision (benchmarks/RESULTS.md)."""
     found: dict[str, str | None] = {}
-    for dist in _VERSIONED:
-        try:
-            found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            found[dist] = None
+    for dist in VERSIONED:
+        module = sys.modules.get(dist)
+        version = getattr(module, "__version__", None) if module is not None else None
+        found[dist] = str(version) if version is not None else None
     return found
 
 

@@ -96,6 +96,23 @@ def run_enable(call: EnableCall) -> Any:
     return result
 
 
+def run_config(facts: Any, write: Callable[[Any], dict[str, Any]]) -> Any:
+    """A decision taken from a framework's config before any model exists (Axolotl): the same
+    votes and resolver; `write` puts the outcome into the config and says what it changed.
+    Returns the decision, or None when gcpatch failed open (the config is left as it was)."""
+    cfg = settings.read()
+    try:
+        decision = resolve.resolve(resolve.stance_votes(facts) + engine.host().votes(facts), cfg.mode)
+        applied = write(decision)
+    except GcpatchError:
+        raise
+    except Exception as exc:
+        _failed_open("config", exc, cfg)
+        return None
+    record.decision(facts, decision, applied, cfg.record_dir)
+    return decision
+
+
 def redecide(model: Any, source: str, **context: Any) -> bool:
     """Decide again for a model whose set-up changed after checkpointing was enabled (wrapped by
     PEFT, by DDP): the same path as the user's enable, with what is known now."""

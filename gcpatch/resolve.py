@@ -28,7 +28,7 @@ _STATE_KNOBS = (EVAL_MODE_FIX,)
 
 def stance_votes(facts: Facts) -> list[Vote]:
     """The core's own votes: the user's explicit ask, and the default when nothing applies."""
-    if facts.stage != "enable":
+    if facts.stage not in ("enable", "config"):
         return []
     votes = []
     if facts.asked_use_reentrant is not None:

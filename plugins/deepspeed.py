@@ -36,7 +36,7 @@ def gcpatch_patch_points() -> list:
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    if facts.stage != "enable" or not facts.zero3 or not (facts.peft or facts.frozen_params):
+    if facts.stage not in ("enable", "config") or not facts.zero3 or not (facts.peft or facts.frozen_params):
         return []
     if not _lacks_fix(facts.versions.get("deepspeed")):
         return []

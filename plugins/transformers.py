@@ -95,6 +95,9 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
     votes: list[Vote] = []
+    if facts.stage == "config" and facts.partially_frozen and not facts.zero3:
+        votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", "the config freezes part of the model: reentrant "
+                          "would drop the gradients of layers whose inputs need none", avoids=WRONG_GRADIENTS))
     if facts.stage == "enable":
         if facts.partially_frozen and not facts.zero3:
             votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1",
