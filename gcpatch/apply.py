@@ -111,7 +111,9 @@ def fix_eval_mode(model: Any) -> int:
     state = state_of(model)
     fixed = 0
     for layer in checkpoint_layers(model):
-        if not (is_checkpoint_layer(layer) and layer.gradient_checkpointing and not layer.training):
+        if not (getattr(layer, "gradient_checkpointing", False) and not layer.training):
+            continue
+        if not (is_checkpoint_layer(layer) or _reads_training_only_to_checkpoint(layer)):
             continue
         func = layer._gradient_checkpointing_func
         if isinstance(func, _ModePreservingCheckpoint):
@@ -132,6 +134,32 @@ def _sync_modes(layers: list[weakref.ref]) -> None:
         layer = ref()
         if layer is not None:
             layer.training = grad or _user_mode(layer)
+
+
+# Reads of `self.training` that do not change what a legacy model computes: the checkpoint
+# decision itself, and the SDPA causal-mask shortcut, which eager mode takes either way
+# (transformers 4.51 modeling_attn_mask_utils._ignore_causal_mask_sdpa: `is_training or not is_tracing`).
+_NEUTRAL_TRAINING_READS = ("gradient_checkpointing", "is_training=self.training")
+
+
+def _reads_training_only_to_checkpoint(module: Any) -> bool:
+    """R5 on model families that predate GradientCheckpointingLayer (transformers < 4.52, and
+    ColossalAI's shardformer forwards): the loop owner's `training` flag decides checkpointing.
+    It is safe to set only if nothing else it computes reads that flag; otherwise R5 warns."""
+    import functools
+    import inspect
+
+    sources = []
+    forward = getattr(module.forward, "__func__", module.forward)
+    while isinstance(forward, functools.partial):
+        forward = getattr(forward.func, "__func__", forward.func)
+    for obj in (type(module), forward):
+        try:
+            sources.append(inspect.getsource(obj))
+        except (OSError, TypeError):
+            return False
+    reads = [line for src in sources for line in src.splitlines() if "self.training" in line]
+    return all(any(mark in line for mark in _NEUTRAL_TRAINING_READS) for line in reads)
 
 
 class _ModePreservingCheckpoint:
