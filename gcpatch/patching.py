@@ -117,6 +117,7 @@ class _Original:
 
     def __init__(self, wrapped: Any) -> None:
         self.wrapped = wrapped
+        self.__wrapped__ = wrapped  # so inspect.signature() gives plugins the real signature
         self.called = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
