@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import sys
 import time
 

@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import textwrap
 import time
 import timeit
 from importlib import metadata
@@ -547,7 +546,7 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
     add("| --- | --- | --- | --- | --- |")
     rows = [("first enable in the process (tiny model)", "first_enable_ms"),
             ("each further tiny model's first enable (median)", "tiny_enable_ms"),
-            (f"8-layer model of section 4 (median)", "small_enable_ms"),
+            ("8-layer model of section 4 (median)", "small_enable_ms"),
             ("the same tiny model enabled again (a Trainer re-enable; median)", "again_enable_ms")]
     for label, key in rows:
         x = e[key]
@@ -718,7 +717,7 @@ def explain_misses(raw: dict, s: dict) -> list[str]:
         zero = [k for k, v in hooks.items() if v == 0]
         notes.append(
             f"- **Step time** ({s['step_pooled']:.3f}x, 95% CI {s['step_pooled_ci'][0]:.3f}-{s['step_pooled_ci'][1]:.3f}; "
-            "single steps vary by tens of percent on this shared machine): in {', '.join(zero) or 'no set-up'} gcpatch's model runs "
+            f"single steps vary by tens of percent on this shared machine): in {', '.join(zero) or 'no set-up'} gcpatch's model runs "
             "exactly the code of the hand-made one (0 hooks added, the first-forward hook removed itself after "
             "the first step), so there the difference is noise of this shared machine; per set-up ratios are in "
             "section 4. More rounds, or a quiet machine, would narrow it; nothing per step is left in gcpatch "

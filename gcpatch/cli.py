@@ -34,7 +34,7 @@ def _doctor(import_frameworks: bool) -> int:
     print(f"gcpatch {_version()}  python {sys.version.split()[0]}")
     print(f"mode: {cfg.mode}   GCPATCH={activation.ENV_AT_START or '(unset)'}   "
           f"record: {cfg.record_dir or '(off)'}   blocked: {', '.join(sorted(cfg.blocked_plugins)) or '(none)'}")
-    print("installed: " + ", ".join(f"{k} {_installed(k) or '-'}" for k in facts.VERSIONED))
+    print("installed: " + ", ".join(f"{k} {facts.installed_version(k) or '-'}" for k in facts.VERSIONED))
     host = engine.start()
     if import_frameworks:
         for status in host.active():
@@ -98,15 +98,6 @@ def _rules() -> int:
     for plugin, rule in engine.start().rules():
         print(f"{rule.id:<8} {plugin:<14} {rule.versions:<10} {rule.summary}\n{'':<34}source: {rule.source}")
     return 0
-
-
-def _installed(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _version() -> str:

@@ -120,6 +120,16 @@ def versions() -> Mapping[str, str | None]:
     return found
 
 
+def installed_version(dist: str) -> str | None:
+    """The installed version from metadata: for what is not imported yet (doctor, a config)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def rank() -> int:
     """This process's rank, for the record only: never a decision input."""
     for name in ("RANK", "LOCAL_RANK"):

@@ -128,6 +128,13 @@ def redecide(model: Any, source: str, **context: Any) -> bool:
     return True
 
 
+def redecide_within(root: Any, source: str, **context: Any) -> None:
+    """`redecide` for every model gcpatch decided for inside `root` (a DDP or booster wrapper)."""
+    for module in root.modules():
+        if apply.has_state(module):
+            redecide(module, source, **context)
+
+
 def run_first_forward(model: Any) -> None:
     """R5, decided when the first forward that builds a graph runs (the mode the user trains in
     is known only then)."""

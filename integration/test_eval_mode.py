@@ -7,7 +7,6 @@ layers checkpoint while their forward still runs in eval mode (dropout stays off
 """
 from __future__ import annotations
 
-import pytest
 
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain, enable_records
 from _run import Spec

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gcpatch.apply import has_state
 from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import redecide
+from gcpatch.pipeline import redecide_within
 from gcpatch.schema import RECOMMENDED, USE_REENTRANT, Facts, PatchPoint, PluginInfo, Rule, Vote
 
 RULES = (
@@ -45,7 +44,5 @@ def _boost(wrapped: Any, booster: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     model = args[0] if args else kwargs.get("model")
     if model is not None and hasattr(model, "modules"):
-        for module in model.modules():
-            if has_state(module):
-                redecide(module, "colossalai Booster.boost (C1)")
+        redecide_within(model, "colossalai Booster.boost (C1)")
     return result

@@ -8,9 +8,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from gcpatch.apply import has_state
 from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import redecide
+from gcpatch.pipeline import redecide_within
 from gcpatch.schema import CRASH, REQUIRED, USE_REENTRANT, Facts, PatchPoint, PluginInfo, Rule, Vote
 
 RULES = (
@@ -42,14 +41,8 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
 
 
 def _ddp_init(wrapped: Any, ddp: Any, args: tuple, kwargs: dict) -> Any:
-    bound = _signature(wrapped).bind_partial(*args, **kwargs).arguments
+    bound = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
     module = bound.get("module")
     if bound.get("find_unused_parameters") and module is not None:
-        for sub in module.modules():
-            if has_state(sub):
-                redecide(sub, "DDP(find_unused_parameters=True) (R4)", find_unused_parameters=True)
+        redecide_within(module, "DDP(find_unused_parameters=True) (R4)", find_unused_parameters=True)
     return wrapped(*args, **kwargs)
-
-
-def _signature(function: Any) -> inspect.Signature:
-    return inspect.signature(function)

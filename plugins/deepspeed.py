@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from packaging.version import InvalidVersion, Version
 
+from gcpatch.facts import installed_version
 from gcpatch.hookspecs import hookimpl
 from gcpatch.schema import CRASH, INPUT_GRADS_HOOK, REQUIRED, USE_REENTRANT, Facts, PluginInfo, Rule, Vote
 
@@ -38,7 +39,7 @@ def gcpatch_patch_points() -> list:
 def gcpatch_vote(facts: Facts) -> list[Vote]:
     if facts.stage not in ("enable", "config") or not facts.zero3 or not (facts.peft or facts.frozen_params):
         return []
-    version = facts.versions.get("deepspeed") or _installed()  # a config is decided before the import
+    version = facts.versions.get("deepspeed") or installed_version("deepspeed")  # a config is decided before the import
     if not _lacks_fix(version):
         return []
     why = (f"ZeRO-3 with frozen parameters on DeepSpeed {version} (< {FIRST_FIXED}): "
@@ -46,15 +47,6 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     return [Vote(USE_REENTRANT, True, REQUIRED, "R3", why, avoids=CRASH),
             Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R3", "reentrant kept for ZeRO-3: the first input must need grad",
                  avoids=CRASH)]
-
-
-def _installed() -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version("deepspeed")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _lacks_fix(version: str | None) -> bool:
