@@ -672,27 +672,19 @@ def explain_misses(raw: dict, s: dict) -> list[str]:
             f"- **Start-up, GCPATCH=1** ({s['startup_on']['median']:.3f}x): the .pth line imports "
             f"{', '.join(m for m in it['modules'] if 'gcpatch' in m)} and, through them, modules a bare "
             "interpreter does not load: " + ", ".join(f"`{n}` ({ms:.2f} ms under -X importtime)" for n, ms in it["heavy"])
-            + ". " + ("`typing` (which brings re, enum, collections, functools, contextlib) comes from "
-                      "`from typing import Any` in gcpatch/__init__.py, used only in an annotation that "
-                      "`from __future__ import annotations` already leaves unevaluated. "
-                      if any(n == "typing" for n, _ in it["heavy"]) else "")
-            + "What would close it: import nothing beyond os and sys on this path (drop the `typing` import, "
-            "writing the annotation as a string); to get well under 5%, let `_gcpatch_startup` install the "
-            "framework watcher itself (a dozen lines, no package import) and import the `gcpatch` package only "
-            "when a framework is first imported.")
+            + ". What would close it: the start-up line imports the `gcpatch` package only to install its "
+            "framework watcher (gcpatch/activation.py); moving that watcher into `_gcpatch_startup` itself (no "
+            "package import until a framework is first imported) would leave one small module on this path.")
     if e["first_enable_ms"]["added"] > t["enable_ms"]:
         versions = [r["versions_ms"] for r in raw["enable"]["on"] if r.get("versions_ms") is not None]
         notes.append(
             f"- **First enable call** (+{e['first_enable_ms']['added']:.2f} ms; each later model "
-            f"+{e['tiny_enable_ms']['added']:.2f} ms): the first decision in a process calls `facts.versions()`, "
-            "which reads the versions of seven distributions through `importlib.metadata` (a sys.path scan and "
-            "an email-parser read of METADATA for each); measured alone it takes "
-            f"{med(versions):.2f} ms (median, cache cleared), cached for the rest of the process; the rest of the "
-            "first call's extra time (first log record, first-time code paths and caches) is not broken down "
-            "further by this benchmark. What would "
-            "close it: take the versions of frameworks already imported from their `__version__` (torch and "
-            "transformers are in sys.modules when the enable call runs), and look up the others only when a "
-            "record is written to GCPATCH_RECORD, or once in the background at engine start.")
+            f"+{e['tiny_enable_ms']['added']:.2f} ms): versions now come from the imported modules' "
+            f"`__version__` ({med(versions):.2f} ms, median); what remains is first-time work in the process "
+            "(the first log record and its handler, the first records and fact gathering, Python's first-call "
+            "caches), not broken down further by this benchmark. What would close it: measure it with a "
+            "profiler (py-spy) on the first call and defer what is not needed for the decision itself (e.g. "
+            "writing the log line) to after the framework's enable returns.")
     elif e["tiny_enable_ms"]["added"] > t["enable_ms"]:
         notes.append(
             f"- **Enable call** (+{e['tiny_enable_ms']['added']:.2f} ms per model): gathering facts walks "
