@@ -34,3 +34,27 @@ def assert_explained(run: Run, *needles: str) -> str:
     for needle in needles:
         assert needle in proc.stdout, f"{needle!r} not in explain output:\n{proc.stdout}"
     return proc.stdout
+
+
+def final_enable_record(run: Run) -> dict:
+    """The last decision gcpatch took for the model (after every wrap and re-enable)."""
+    records = enable_records(run)
+    assert records, f"no enable record\n{run.describe()}"
+    return records[-1]
+
+
+def winner(record: dict, knob: str = "use_reentrant") -> str:
+    return record["decision"]["winners"][knob]["rule"]
+
+
+def assert_explain_lists_every_decision(run: Run) -> str:
+    """`gcpatch explain` (issue #5 item 7): one line per recorded decision, each naming the rule
+    that chose use_reentrant, for every rank."""
+    records = [r for r in run.records() if r.get("stage") == "enable"]
+    out = assert_explained(run)
+    lines = [line for line in out.splitlines() if line.startswith("gcpatch: rank ") and "(" in line
+             and ", enable)" in line]
+    assert len(lines) == len(records), f"{len(records)} records, {len(lines)} explain lines:\n{out}"
+    for line, rec in zip(lines, records):
+        assert f"use_reentrant: {winner(rec)}:" in line, f"{winner(rec)} not named in: {line}"
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -23,19 +24,32 @@ TRANSFORMERS = Version(metadata.version("transformers"))
 V5 = TRANSFORMERS.major >= 5
 
 
+# How a script is started: a plain interpreter, `torch.distributed.run --nproc_per_node=2` (gloo,
+# one RESULT line per rank), or one DeepSpeed process on CPU (the env torchrun would give it).
+LAUNCHERS = ("python", "torchrun2", "deepspeed1")
+
+
 @dataclass(frozen=True)
 class Spec:
-    """One script invocation: which script, which variant arguments, plain or with gcpatch."""
+    """One script invocation: which script, which variant arguments, plain or with gcpatch, extra
+    environment (e.g. GCPATCH_MODE) and launcher."""
 
     script: str
     args: tuple[str, ...] = ()
     gcpatch: bool = True
+    env: tuple[tuple[str, str], ...] = ()
+    launcher: str = "python"
 
     def plain(self) -> "Spec":
-        return Spec(self.script, self.args, False)
+        """The same run with GCPATCH=0: gcpatch's own variables (GCPATCH_MODE, ...) are dropped, so
+        every gcpatch mode of one script shares one plain run."""
+        env = tuple((k, v) for k, v in self.env if not k.startswith("GCPATCH"))
+        return Spec(self.script, self.args, False, env, self.launcher)
 
     def label(self) -> str:
-        return f"{self.script} {' '.join(self.args)} [{'GCPATCH=1' if self.gcpatch else 'GCPATCH=0'}]"
+        extra = "".join(f" {k}={v}" for k, v in self.env)
+        launcher = "" if self.launcher == "python" else f"{self.launcher}: "
+        return f"{launcher}{self.script} {' '.join(self.args)} [{'GCPATCH=1' if self.gcpatch else 'GCPATCH=0'}{extra}]"
 
 
 @dataclass
@@ -47,6 +61,8 @@ class Run:
     record_dir: Path
     wall_s: float = 0.0
     result: dict = field(default_factory=dict)
+    # every RESULT line (one per rank under torchrun2, sorted by rank); `result` is rank 0's
+    results: list = field(default_factory=list)
 
     def gcpatch_lines(self) -> list[str]:
         """gcpatch's one-line decisions on stderr."""
@@ -58,6 +74,14 @@ class Run:
         for path in sorted(self.record_dir.glob("*.jsonl")):
             entries.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
         return entries
+
+    def records_by_rank(self) -> dict[int, list[dict]]:
+        """{rank: that rank's JSONL records}, from the file names gcpatch-rank<N>.jsonl."""
+        out = {}
+        for path in sorted(self.record_dir.glob("gcpatch-rank*.jsonl")):
+            rank = int(path.stem[len("gcpatch-rank"):])
+            out[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return out
 
     def explain(self) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "gcpatch", "explain", str(self.record_dir)],
@@ -76,18 +100,60 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (one per distributed run, so parallel runs never meet)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def command(spec: Spec) -> tuple[list[str], dict[str, str]]:
+    """The command line and the extra environment of one launcher."""
+    script = [str(SCRIPTS / spec.script), *spec.args]
+    if spec.launcher == "python":
+        return [sys.executable, *script], {}
+    if spec.launcher == "torchrun2":
+        # `python -m torch.distributed.run`, not bin/torchrun: copied venvs keep the old shebang
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}", *script], {}
+    if spec.launcher == "deepspeed1":
+        return [sys.executable, *script], dict(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
+                                               MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                                               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", DS_BUILD_OPS="0")
+    raise ValueError(f"unknown launcher {spec.launcher!r}")
+
+
+def expected_results(spec: Spec) -> int:
+    return 2 if spec.launcher == "torchrun2" else 1
+
+
+def parse_results(stdout: str) -> list[dict]:
+    """Every `RESULT {json}` in stdout. Two ranks share one pipe, so a line may hold two of them:
+    each is decoded from where its marker starts, not line by line."""
+    decoder = json.JSONDecoder()
+    results, pos = [], stdout.find("RESULT {")
+    while pos != -1:
+        value, end = decoder.raw_decode(stdout, pos + len("RESULT "))
+        results.append(value)
+        pos = stdout.find("RESULT {", end)
+    return results
+
+
 def run_script(spec: Spec, workdir: Path) -> Run:
-    """Run one script in `workdir` (a fresh temporary directory) and parse its RESULT line.
+    """Run one script in `workdir` (a fresh temporary directory) and parse its RESULT line(s).
 
     The plain run gets GCPATCH=0 *and* a GCPATCH_RECORD directory: nothing may be written there."""
     workdir.mkdir(parents=True, exist_ok=True)
     record_dir = workdir / "gcpatch-record"
-    env = child_env(GCPATCH="1" if spec.gcpatch else "0", GCPATCH_RECORD=str(record_dir))
+    argv, launch_env = command(spec)
+    env = child_env(GCPATCH="1" if spec.gcpatch else "0", GCPATCH_RECORD=str(record_dir), **launch_env,
+                    **dict(spec.env))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(SCRIPTS / spec.script), *spec.args], cwd=workdir, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     run = Run(spec, proc.returncode, proc.stdout, proc.stderr, record_dir, time.monotonic() - start)
-    results = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode == 0 and len(results) == 1:
-        run.result = json.loads(results[0])
+    results = parse_results(proc.stdout)
+    # a distributed run whose ranks crashed may still exit non-zero after printing its RESULT lines
+    if len(results) == expected_results(spec) and (proc.returncode == 0 or spec.launcher != "python"):
+        run.results = sorted(results, key=lambda r: r.get("rank", 0))
+        run.result = run.results[0]
     return run

@@ -25,9 +25,14 @@ class ScriptRuns:
             self._futures[spec] = self._pool.submit(run_script, spec, workdir)
         return self._futures[spec]
 
-    def get(self, script: str, *args: str, gcpatch: bool) -> Run:
-        run = self.submit(Spec(script, tuple(args), gcpatch)).result()
-        assert run.returncode == 0 and run.result, f"script failed or printed no single RESULT line\n{run.describe()}"
+    def get(self, script: str, *args: str, gcpatch: bool, env: dict[str, str] | None = None,
+            launcher: str = "python", exit_ok: bool = True) -> Run:
+        """The run's RESULT; `exit_ok=False` accepts a non-zero exit (ranks that crashed after
+        printing their RESULT lines, as a plain DDP failure does)."""
+        spec = Spec(script, tuple(args), gcpatch, tuple(sorted((env or {}).items())), launcher)
+        run = self.submit(spec).result()
+        assert (run.returncode == 0 or not exit_ok) and run.result, \
+            f"script failed or printed no single RESULT line\n{run.describe()}"
         return run
 
     def close(self) -> None:
@@ -63,7 +68,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         if not future.done() or future.cancelled():
             continue
         run = future.result()
-        keys = ("wrong", "applied_use_reentrant", "ratio_eval_gc_to_train_gc", "dropout_flags_unchanged",
+        keys = ("wrong", "applied_use_reentrant", "error_type", "losses", "wrong_per_step", "train_losses", "ratio_eval_gc_to_train_gc", "dropout_flags_unchanged",
                 "loss_equal_eval_nogc", "use_reentrant_after", "tokens_equal")
         figures = {k: run.result[k] for k in keys if k in run.result}
         terminalreporter.write_line(f"{run.wall_s:5.1f}s  {spec.label()}  {figures}")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "zero3: DeepSpeed ZeRO-3 integration runs (tox envs ds0189/ds0193)")
+    config.addinivalue_line("markers", "distributed: runs two processes with torch.distributed.run (gloo)")

@@ -1,0 +1,99 @@
+"""Scenario 2: QLoRA on CPU. A tiny Llama is saved with save_pretrained, reloaded with
+BitsAndBytesConfig(load_in_4bit=True), default checkpointing (no kwargs), LoRA (r=4, q_proj/v_proj).
+Ordinary user code: nothing here imports gcpatch.
+
+usage: qlora_4bit.py --prepare no|yes
+  no:  model.gradient_checkpointing_enable(); model = get_peft_model(model, cfg)
+  yes: model = prepare_model_for_kbit_training(model)  (enables checkpointing itself, no kwargs);
+       model = get_peft_model(model, cfg)
+
+The reference is a no-checkpointing run of the same quantized PeftModel (same LoRA weights, copied)
+on the same batch, fed input_ids.
+"""
+import argparse
+import os
+import tempfile
+import warnings
+
+import torch
+
+import _common as c
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def load_4bit(path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb, device_map="cpu",
+                                                dtype=torch.float32)
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(123)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
+
+
+def loss_and_backward(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prepare", choices=("no", "yes"), default="no")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    from peft import prepare_model_for_kbit_training
+
+    tmp = tempfile.mkdtemp(prefix="p5-qlora-")
+    c.llama().save_pretrained(tmp)
+    ids = c.input_ids()
+
+    ref_model = lora(load_4bit(tmp))
+    ref_model.train()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(7)
+        for name, p in ref_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    ref_loss = loss_and_backward(ref_model, ids)
+    reference = c.trainable_grads(ref_model)
+    quant = type(ref_model.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__
+
+    model = load_4bit(tmp)
+    if args.prepare == "yes":
+        model = prepare_model_for_kbit_training(model)
+    else:
+        model.gradient_checkpointing_enable()
+    model = lora(model)
+    model.load_state_dict(ref_model.state_dict(), strict=False)
+    with torch.no_grad():
+        for (name, p), (rname, rp) in zip(model.named_parameters(), ref_model.named_parameters()):
+            if "lora_" in name:
+                p.copy_(rp)
+    model.train()
+    error = None
+    try:
+        loss = loss_and_backward(model, ids)
+        got = c.trainable_grads(model)
+        cmp = c.compare_grads(got, reference)
+        loss_equal = bool(torch.allclose(loss, ref_loss, atol=1e-5))
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"[:400]
+        cmp, loss_equal = {}, None
+    c.emit({
+        "scenario": "qlora_4bit", "prepare": args.prepare, "quantized_linear": quant, **cmp, "error": error,
+        "loss_equal": loss_equal, "applied_use_reentrant": c.checkpoint_use_reentrant(model),
+        "use_cache": model.config.use_cache,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Issue #6, Axolotl 0.19: `axolotl train cfg.yml --launcher python` on a tiny local Llama + tokenizer
+(save_pretrained, built here, no hub) and a 16-row alpaca JSONL, 2 steps, plainly and with GCPATCH=1.
+
+- unfrozen_parameters + use_reentrant: true: Axolotl's validator refuses the config plainly; with
+  gcpatch the config-time decision (A1 decided by R1) makes it non-reentrant, it trains, and the
+  trainable parameters' first-step gradients equal Axolotl's own run without checkpointing
+  (captured by the Axolotl plugin scripts/axolotl_grad_dump.py, named in the config; max_grad_norm 0,
+  no dropout, same seed). Strict mode refuses it with gcpatch's error naming R1.
+- LoRA (use_reentrant: true asked) and QLoRA (no kwargs): train with gcpatch, the rule's choice
+  recorded (R1: non-reentrant) and in force at the first optimizer step.
+
+Six `axolotl train` processes in all (two of them refused at validation), shared by the tests.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("axolotl")
+
+from _asserts import assert_explained  # noqa: E402
+from _issue6 import Pool, build_tiny, report, gcpatch_cli, max_abs_diff, output, run_axolotl, tail, workers  # noqa: E402
+
+REFUSED_PLAIN = "`use_reentrant` must be false when used with partially frozen model"
+# key: (config, gcpatch, extra env)
+RUNS = {
+    "unfrozen-plain": ("unfrozen_reentrant.yml", False, {}),
+    "unfrozen-gcpatch": ("unfrozen_reentrant.yml", True, {}),
+    "unfrozen-strict": ("unfrozen_reentrant.yml", True, {"GCPATCH_MODE": "strict"}),
+    "unfrozen-nogc-reference": ("unfrozen_nogc.yml", False, {}),
+    "lora-gcpatch": ("lora_reentrant.yml", True, {}),
+    "qlora-gcpatch": ("qlora.yml", True, {}),
+}
+LAYER1 = 9  # layer 1's tensors: q, k, v, o, gate, up, down, two norms
+
+
+@pytest.fixture(scope="session")
+def ax_runs(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp("axolotl")
+    tiny = build_tiny(base / "tiny")
+    pool = Pool(workers())
+    for i, (key, (config, gcpatch, env)) in enumerate(RUNS.items()):
+        pool.submit(key, lambda c=config, g=gcpatch, e=env, d=base / f"run{i:02d}-{key}": run_axolotl(c, tiny, d, g, e))
+    yield pool
+    report(request, "axolotl", pool)
+    pool.close()
+
+
+def trained(pool: Pool, key: str):
+    run = pool.get(key)
+    assert run.returncode == 0 and run.result, f"axolotl did not train or dumped no gradients\n{tail(run)}"
+    return run
+
+
+def records(run, stage=None):
+    return [r for r in run.records() if stage is None or r.get("stage") == stage]
+
+
+def test_plain_axolotl_refuses_unfrozen_reentrant(ax_runs):
+    run = ax_runs.get("unfrozen-plain")
+    assert run.returncode != 0, tail(run)
+    assert REFUSED_PLAIN in output(run), tail(run)
+    assert not run.result  # never reached the first step
+    assert run.records() == []  # GCPATCH=0: nothing recorded although GCPATCH_RECORD was set
+    assert "gcpatch" not in run.stderr.lower(), tail(run)
+
+
+def test_gcpatch_trains_unfrozen_reentrant_with_reference_gradients(ax_runs):
+    run = trained(ax_runs, "unfrozen-gcpatch")
+    ref = trained(ax_runs, "unfrozen-nogc-reference")
+    r, q = run.result, ref.result
+    assert r["env_GCPATCH"] == "1" and r["gcpatch_loaded"] and "site-packages" in r["gcpatch_file"], r
+    assert q["env_GCPATCH"] == "0" and not q["gcpatch_loaded"], q
+    assert r["step"] == 0 and r["max_grad_norm"] == 0
+    assert r["checkpointing"] is True and r["use_reentrant"] is False
+    assert q["checkpointing"] is False
+    assert r["trainable"] == q["trainable"] == LAYER1 and r["frozen"] == q["frozen"] > 0
+    assert r["grad_none"] == [] and q["grad_none"] == []
+    diffs = max_abs_diff(r["grads"], q["grads"])
+    assert all(name.startswith("model.layers.1.") for name in diffs), sorted(diffs)
+    assert max(diffs.values()) <= 1e-6, diffs
+    assert any(abs(v) > 0 for g in q["grads"].values() for v in g)  # a real gradient, not all zeros
+
+
+def test_gcpatch_records_the_config_decision_r1(ax_runs):
+    run = trained(ax_runs, "unfrozen-gcpatch")
+    config = records(run, "config")
+    assert len(config) == 1, records(run)
+    rec = config[0]
+    assert rec["source"] == "config" and rec["facts"]["trainer"] == "axolotl"
+    assert rec["asked"]["use_reentrant"] is True and "axolotl config" in rec["asked"]["from"]
+    assert rec["applied"]["use_reentrant"] is False
+    assert rec["applied"]["config"] == "gradient_checkpointing_kwargs.use_reentrant True -> False"
+    assert rec["decision"]["winners"]["use_reentrant"]["rule"] == "R1"
+    assert rec["decision"]["overruled"][0]["rule"] == "USER"
+    # every model-level decision that follows agrees with the config-time one
+    enables = records(run, "enable")
+    assert enables and all(e["applied"]["use_reentrant"] is False for e in enables), enables
+    assert all(e["decision"]["winners"]["use_reentrant"]["rule"] == "R1" for e in enables)
+    # fix mode's warning, through Axolotl's logging set-up (which prints only warnings of other loggers)
+    assert "[gcpatch]" in output(run) and "R1 requires use_reentrant=False" in output(run), tail(run)
+    assert_explained(run, "R1", "use_reentrant=False", "(config, config)")
+
+
+def test_gcpatch_strict_mode_refuses_naming_r1(ax_runs):
+    run = ax_runs.get("unfrozen-strict")
+    assert run.returncode != 0, tail(run)
+    text = output(run)
+    assert "GcpatchError" in text and "[R1]" in text, tail(run)
+    assert REFUSED_PLAIN not in text  # gcpatch refused first, with its own error
+    assert not run.result
+
+
+@pytest.mark.parametrize("key,adapter", [("lora-gcpatch", "lora"), ("qlora-gcpatch", "qlora")])
+def test_gcpatch_lora_and_qlora_train_with_the_rules_choice(ax_runs, key, adapter):
+    run = trained(ax_runs, key)
+    r = run.result
+    assert r["gcpatch_loaded"] and r["checkpointing"] is True
+    assert r["use_reentrant"] is False, r["use_reentrant"]  # in force at the first optimizer step
+    assert r["model_class"].startswith("PeftModel")
+    assert r["trainable"] == 8 and r["grad_none"] == [], r  # q_proj/v_proj A and B in 2 layers
+    assert all(any(abs(v) > 0 for v in g) for name, g in r["grads"].items() if "lora_B" in name)
+    config = records(run, "config")
+    assert len(config) == 1 and config[0]["applied"]["use_reentrant"] is False, config
+    assert config[0]["facts"]["peft"] is True and config[0]["facts"]["kbit"] is (adapter == "qlora")
+    assert config[0]["decision"]["winners"]["use_reentrant"]["rule"] == "R1"
+    enables = records(run, "enable")
+    assert enables, records(run)
+    final = enables[-1]
+    assert final["applied"]["use_reentrant"] is False
+    assert final["decision"]["winners"]["use_reentrant"]["rule"] == "R1"
+    if adapter == "qlora":  # the enable inside peft's prepare_model_for_kbit_training is recorded as peft's
+        inside = [e for e in enables if e["source"] == "peft.prepare_model_for_kbit_training"]
+        assert len(inside) == 1, [e["source"] for e in enables]
+        assert inside[0]["facts"]["kbit"] is True
+        assert inside[0]["decision"]["winners"]["input_grads_hook"]["rule"] == "P1"
+    assert_explained(run, "R1", "use_reentrant=False")
+
+
+def test_doctor_lists_the_axolotl_plugin():
+    proc = gcpatch_cli("doctor")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    plugin = [line for line in lines if line.strip().startswith("axolotl:")]
+    assert plugin and "active axolotl 0.19" in plugin[0] and "(supports >=0.10,<1)" in plugin[0], proc.stdout
+    assert any("axolotl.utils.config.validate_config: live" in line for line in lines), proc.stdout
