@@ -9,7 +9,6 @@ The reference is a no-checkpointing run of an identical PeftModel (same base wei
 LoRA weights, copied by state_dict) on the same batch.
 """
 import argparse
-import os
 import warnings
 
 import torch
