@@ -12,7 +12,8 @@ import sys
 from gcpatch import settings
 
 # The packages whose first import starts the engine. Third-party plugins are loaded then too.
-TRIGGERS = frozenset({"transformers", "peft", "trl", "axolotl", "colossalai", "accelerate", "deepspeed"})
+# torch is one: a hand-written model meets gcpatch only at the checkpoint call (CK1-CK3).
+TRIGGERS = frozenset({"torch", "transformers", "peft", "trl", "axolotl", "colossalai", "accelerate", "deepspeed"})
 
 _active = False
 # GCPATCH as the process found it, before activate() set it for children (for `gcpatch doctor`).

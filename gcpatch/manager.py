@@ -16,7 +16,7 @@ from packaging.version import InvalidVersion, Version
 
 from gcpatch import hookspecs
 from gcpatch.errors import GcpatchError
-from gcpatch.schema import Facts, PatchPoint, PluginInfo, Vote
+from gcpatch.schema import CallFacts, Facts, PatchPoint, PluginInfo, Vote
 
 log = logging.getLogger("gcpatch")
 
@@ -97,12 +97,19 @@ class PluginHost:
     def votes(self, facts: Facts) -> list[Vote]:
         """Every active plugin's votes, in plugin order. A plugin that raises stops the decision
         (the caller falls back to the host's own behaviour): a partial vote could be wrong."""
+        return self._gather("gcpatch_vote", facts)
+
+    def call_votes(self, facts: CallFacts) -> list[Vote]:
+        """Every active plugin's votes on one checkpoint call's facts (`gcpatch_call_vote`)."""
+        return self._gather("gcpatch_call_vote", facts)
+
+    def _gather(self, hook: str, facts: object) -> list[Vote]:
         votes: list[Vote] = []
         for status in self.active():
             try:
-                result = self._call_one(status.name, "gcpatch_vote", facts=facts) or []
+                result = self._call_one(status.name, hook, facts=facts) or []
             except Exception as exc:
-                raise PluginFailure(status.name, "gcpatch_vote", exc) from exc
+                raise PluginFailure(status.name, hook, exc) from exc
             votes.extend(_stamped(v, status.name) for v in result)
         return votes
 

@@ -20,8 +20,7 @@ import sys
 from typing import Any
 
 from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import EnableCall, run_enable
-from gcpatch.apply import remove_all
+from gcpatch.pipeline import EnableCall, run_disable, run_enable
 from gcpatch.schema import (
     EVAL_MODE_FIX,
     INPUT_GRADS_HOOK,
@@ -194,7 +193,7 @@ def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:
 
 
 def _disable(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
-    remove_all(model)
+    run_disable(model)
     return wrapped(*args, **kwargs)
 
 
