@@ -38,6 +38,7 @@ class PluginHost:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs.PluginSpec)
         self._strict = strict
+        self._reported: set[tuple[str, str]] = set()
         self.statuses: list[PluginStatus] = []
 
     @classmethod
@@ -110,8 +111,22 @@ class PluginHost:
                 result = self._call_one(status.name, hook, facts=facts) or []
             except Exception as exc:
                 raise PluginFailure(status.name, hook, exc) from exc
-            votes.extend(_stamped(v, status.name) for v in result)
+            declared = {rule.id for rule in status.info.rules} if status.info else set()
+            for vote in result:
+                if vote.rule not in declared:
+                    self._undeclared(status.name, vote.rule)
+                    continue
+                votes.append(_stamped(vote, status.name))
         return votes
+
+    def _undeclared(self, plugin: str, rule: str) -> None:
+        """A vote whose rule is not in its plugin's table cannot be explained: it is dropped."""
+        text = f"plugin {plugin!r} voted with rule {rule!r}, which its rule table does not declare"
+        if self._strict:
+            raise GcpatchError(text, rule=f"plugin:{plugin}", fix=f"declare {rule} in gcpatch_plugin_info's rules")
+        if (plugin, rule) not in self._reported:
+            self._reported.add((plugin, rule))
+            log.warning("gcpatch: %s; the vote is ignored", text)
 
     def _call_one(self, name: str, hook: str, **kwargs):  # noqa: ANN202
         for impl in getattr(self._pm.hook, hook).get_hookimpls():
