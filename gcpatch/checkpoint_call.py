@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gcpatch import engine, record, resolve, settings
+from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 from gcpatch.schema import RUN_INLINE, USE_REENTRANT, USER, CallFacts, Decision, Vote
 
@@ -85,6 +86,8 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
             return function(*args[1:], **{k: v for k, v in kwargs.items() if k not in CHECKPOINT_KWARGS})
         if outcome.use_reentrant is not None:
             kwargs = {**kwargs, USE_REENTRANT: outcome.use_reentrant}
+    if USE_REENTRANT not in kwargs:  # torch warns with stacklevel=2: let it name the caller, not gcpatch
+        return call_from(user_frame(), original, (_inside_checkpoint(function), *args[1:]), kwargs)
     return original(_inside_checkpoint(function), *args[1:], **kwargs)
 
 
@@ -196,15 +199,10 @@ def _report_once(outcome: _Outcome) -> None:
 
 
 def _call_site() -> str:
-    """file:line of the code that called `checkpoint`, past gcpatch's, wrapt's and functools'
-    frames (a partial adds none in CPython, but its callers may be library code: that is the site)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not module.startswith(("gcpatch", "wrapt", "functools")):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
+    """file:line of the code that called `checkpoint` (library code, such as transformers' layer,
+    when the call comes through a library)."""
+    frame = user_frame()
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
 
 
 def _modules_in(function: Any, module_type: type) -> list[Any]:

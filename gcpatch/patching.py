@@ -13,6 +13,7 @@ from typing import Any
 
 import wrapt
 
+from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 from gcpatch.schema import PatchPoint
 
@@ -174,19 +175,20 @@ class _Original:
     """The wrapped callable, remembering whether it was reached: an exception raised after that
     is the host's own and propagates; one raised before is gcpatch's and fails open."""
 
-    def __init__(self, wrapped: Any) -> None:
+    def __init__(self, wrapped: Any, caller: Any = None) -> None:
         self.wrapped = wrapped
         self.__wrapped__ = wrapped  # so inspect.signature() gives plugins the real signature
+        self.caller = caller  # the user's frame: the framework's warnings name it, not gcpatch
         self.called = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.called = True
-        return self.wrapped(*args, **kwargs)
+        return call_from(self.caller, self.wrapped, args, kwargs)
 
 
 def _fail_open(point: PatchPoint, plugin: str, strict: bool):  # noqa: ANN202
     def wrapper(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202 (wrapt's protocol)
-        original = _Original(wrapped)
+        original = _Original(wrapped, user_frame())
         try:
             return point.wrapper(original, instance, args, kwargs)
         except GcpatchError:
