@@ -44,6 +44,8 @@ def _doctor(import_frameworks: bool) -> int:
                 except Exception as exc:  # noqa: BLE001
                     print(f"  cannot import {point.module}: {type(exc).__name__}: {exc}")
     patcher = engine.patcher()
+    for text in engine.reinstate():
+        print(f"rebound by another tool: {text}")
     print("plugins:")
     for status in host.statuses:
         info = status.info

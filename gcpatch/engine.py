@@ -43,3 +43,8 @@ def host() -> PluginHost:
 
 def patcher() -> Patcher | None:
     return _patcher
+
+
+def reinstate() -> list[str]:
+    """Wrap again any patch point another tool rebound since the last decision (see Patcher)."""
+    return _patcher.reinstate() if _patcher is not None else []

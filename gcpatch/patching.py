@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import wrapt
@@ -30,6 +30,7 @@ class Installed:
     wrapper: Any
     inherited: bool
     copies: list[_Binding]
+    replaced: list[tuple[Any, str, Any, Any]] = field(default_factory=list)  # (owner, name, theirs, our wrapper)
 
 
 class Patcher:
@@ -71,10 +72,37 @@ class Patcher:
                 raise GcpatchError(f"could not patch {point.module}.{point.target}: {exc}", rule=f"plugin:{plugin}") from exc
             log.error("gcpatch: %s.%s left unpatched (%s: %s)", point.module, point.target, type(exc).__name__, exc)
 
+    def reinstate(self) -> list[str]:
+        """Wrap again where another tool rebound one of gcpatch's patch points (a monkeypatch that
+        assigns the name, Axolotl's exec of peft's source): the replacement then runs inside
+        gcpatch's wrapper and its decisions still happen. Each replacement is reported once;
+        returns what was found this time."""
+        found = []
+        for key, item in list(self.installed.items()):
+            places = [(item.owner, item.attr)] + [(b.owner, b.name) for b in item.copies if b.index is None]
+            for owner, name in places:
+                current = vars(owner).get(name)
+                if current is None or current is item.wrapper or getattr(current, "_self_gcpatch", False):
+                    continue
+                wrapper = _GcpatchWrapper(current, item.wrapper._self_wrapper)
+                setattr(owner, name, wrapper)
+                item.replaced.append((owner, name, current, wrapper))
+                for copy in _replace_copies(current, wrapper) if item.point.copies else ():  # its re-exports
+                    item.replaced.append((copy.owner, copy.name, current, wrapper))
+                where = getattr(owner, "__name__", repr(owner))
+                text = (f"{where}.{name} was rebound by another tool to {_describe(current)}; gcpatch now wraps "
+                        f"the replacement ({item.point.why or item.point.target})")
+                found.append(text)
+                log.warning("gcpatch: %s", text)
+        return found
+
     def uninstall_all(self) -> None:
         """Put every original back, by identity, where our wrapper still stands."""
         self._stopped = True
         for item in self.installed.values():
+            for owner, name, replacement, wrapper in item.replaced:
+                if vars(owner).get(name) is wrapper:
+                    setattr(owner, name, replacement)
             for binding in item.copies:
                 binding.restore(item.original, item.wrapper)
             if vars(item.owner).get(item.attr) is not item.wrapper:
@@ -161,6 +189,12 @@ def _functions_of(module: Any) -> list[Any]:
         elif isinstance(value, types.FunctionType) and value.__module__ == name:
             found.append(value)
     return found
+
+
+def _describe(obj: Any) -> str:
+    code = getattr(obj, "__code__", None)
+    where = f" from {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}{where}"
 
 
 def _resolve(module: Any, target: str) -> tuple[Any, str]:

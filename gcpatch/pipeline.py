@@ -59,6 +59,7 @@ def run_enable(call: EnableCall) -> Any:
     if _inside.get():
         return call.invoke(call.asked_kwargs)  # an enable nested in ours: the outer decision stands
     cfg = settings.read()
+    engine.reinstate()  # a tool that rebound a patch point since the last decision is wrapped again
     state = apply.state_of(call.model)
     source = _source_override.get() or _caller.get() or call.source
     asked, asked_from = _effective_ask(call, state)
