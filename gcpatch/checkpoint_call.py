@@ -185,8 +185,9 @@ def _as_called(facts: CallFacts) -> Vote:
 
 
 def _report_once(outcome: _Outcome) -> None:
-    site = _call_site()
-    key = (site, outcome.rules or tuple(outcome.decision.warnings if outcome.decision else ()))
+    frame = user_frame(2)
+    where = (frame.f_code, frame.f_lineno) if frame is not None else None
+    key = (where, outcome.rules or tuple(outcome.decision.warnings if outcome.decision else ()))
     if key in _reported_sites:
         return
     _reported_sites.add(key)
@@ -195,14 +196,8 @@ def _report_once(outcome: _Outcome) -> None:
         applied[USE_REENTRANT] = outcome.use_reentrant
     if outcome.inline:
         applied[RUN_INLINE] = True
+    site = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
     record.call_site(site, outcome.facts, outcome.decision, applied, settings.read().record_dir)
-
-
-def _call_site() -> str:
-    """file:line of the code that called `checkpoint` (library code, such as transformers' layer,
-    when the call comes through a library)."""
-    frame = user_frame()
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
 
 
 def _modules_in(function: Any, module_type: type) -> list[Any]:
@@ -233,7 +228,16 @@ def _modules_in(function: Any, module_type: type) -> list[Any]:
 
 
 def _any_trainable(modules: list[Any]) -> bool:
-    return any(p.requires_grad for m in modules for p in m.parameters())
+    return any(_trainable(m) for m in modules)
+
+
+def _trainable(module: Any) -> bool:
+    """Whether any parameter of `module` or its children requires grad: the registries read
+    directly, as `parameters()`' generator costs several times more on the hot path."""
+    for param in module._parameters.values():
+        if param is not None and param.requires_grad:
+            return True
+    return any(child is not None and _trainable(child) for child in module._modules.values())
 
 
 def _as_bool(value: Any) -> bool | None:
