@@ -156,6 +156,16 @@ class PluginFailure(Exception):
         super().__init__(f"plugin {plugin!r} raised in {hook}: {type(exc).__name__}: {exc}")
 
 
+def builtin_infos() -> list[tuple[str, PluginInfo]]:
+    """(entry-point name, PluginInfo) of every built-in plugin, whether its framework is installed
+    or not: what the generated rules document lists."""
+    found = []
+    for ep in sorted(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=_builtin_first):
+        if ep.value.startswith("gcpatch_plugins."):
+            found.append((ep.name, ep.load().gcpatch_plugin_info()))
+    return found
+
+
 def _stamped(vote: Vote, plugin: str) -> Vote:
     if vote.plugin:
         return vote
