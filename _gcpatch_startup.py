@@ -65,10 +65,10 @@ def bootstrap():
 def _import_gcpatch():
     try:
         from gcpatch import activation  # importing the package activates it
-
-        activation.framework_imported()
     except Exception as exc:  # noqa: BLE001
         _failed(exc)
+        return
+    activation.framework_imported()  # fails open by itself; strict mode raises on purpose
 
 
 def _failed(exc):

@@ -254,7 +254,8 @@ def bench_startup(cfg: dict, work: Path) -> dict:
     log("start-up: building the two venvs")
     venvs = make_venvs(work)
     cmd_without, cmd_with = [str(venvs["without"]), "-c", "pass"], [str(venvs["with"]), "-c", "pass"]
-    check = subprocess.run([str(venvs["with"]), "-c", "import sys; print('gcpatch.activation' in sys.modules)"],
+    check = subprocess.run([str(venvs["with"]), "-c",
+                            "import sys; print(any(repr(f) == '<gcpatch framework watcher>' for f in sys.meta_path))"],
                            env=child_env(GCPATCH="1"), capture_output=True, text=True)
     if check.stdout.strip() != "True":
         raise RuntimeError(f"the `with` venv does not activate gcpatch at start-up: {check.stdout} {check.stderr}")
