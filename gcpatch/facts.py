@@ -118,6 +118,7 @@ def use_cache_configs(model: Any) -> dict[str, Any]:
             todo.append((f"{name}.config" if name else "config", config))
     while todo:
         where, config = todo.pop(0)
+        nested = []
         if id(config) in seen:
             continue
         seen.add(id(config))
@@ -125,7 +126,8 @@ def use_cache_configs(model: Any) -> dict[str, Any]:
             found[where] = config
         for key, value in vars(config).items():
             if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                todo.append((f"{where}.{key}", value))
+                nested.append((f"{where}.{key}", value))
+        todo[:0] = nested  # a sub-config is named from its parent config before a module's copy
     return found
 
 
