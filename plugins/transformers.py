@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import logging
 import sys
 from typing import Any
 
@@ -213,7 +214,13 @@ def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:
 
 
 def _disable(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
-    remove_all(model)
+    """The user's off is final: gcpatch takes back what it changed for the enable (hooks, the
+    eval-mode fix, R6's use_cache) so the model is what it would be without gcpatch."""
+    restored = remove_all(model)
+    if restored:
+        logging.getLogger("gcpatch").info(
+            "gcpatch: %s gradient checkpointing disable: %s", type(model).__name__,
+            "; ".join(f"{change} on {where}" for where, change in restored.items()))
     return wrapped(*args, **kwargs)
 
 
