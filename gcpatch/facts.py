@@ -63,6 +63,7 @@ def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
     counting those could keep reentrant where a text-only batch loses gradients, so they are not."""
     names = {id(m): n for n, m in model.named_modules()}
     stacks = checkpoint_stacks(model)
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
     owners = {id(owner) for _, owner, _ in stacks} | {id(layer) for _, _, layers in stacks for layer in layers}
     facts = []
     for name, owner, layers in stacks:
@@ -78,8 +79,24 @@ def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
             "trainable_upstream": upstream,
             "inputs_can_require_grad": upstream > 0,
             "blocks_in_eval_mode": sum(1 for layer in layers if not layer.training),
+            "encoder_states_by_keyword": encoder_decoder and _encoder_states_by_keyword(owner),
         })
     return tuple(facts)
+
+
+def _encoder_states_by_keyword(runner: Any) -> bool:
+    """Whether this decoder stack hands the encoder's output to its blocks as a keyword argument.
+    A reentrant checkpoint sees only positional tensors: the encoder's graph is then run twice in
+    backward ("Trying to backward through the graph a second time") or not at all (transformers
+    4.57 WhisperDecoder; GradientCheckpointingLayer's docstring asks for positional inputs)."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(type(runner).forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"\bencoder_hidden_states\s*=\s*encoder_hidden_states\b", source) is not None
 
 
 def _upstream_trainable(model: Any, path: str, owners: set[int], skip: set[int]) -> int:

@@ -16,7 +16,7 @@ from importlib import metadata
 import pytest
 
 from _families import DOC, FAMILIES, ROOT, readme_block, render
-from _run import Spec
+from _run import V5, Spec
 
 SCRIPT = "families.py"
 STRICT = Spec(SCRIPT, ("whisper", "clip", "--only", "trainable"), env=(("GCPATCH_MODE", "strict"),))
@@ -42,8 +42,9 @@ def test_every_input_path_gets_the_no_checkpointing_gradients(script_runs, name)
         assert case["error"] is None and case["wrong"] == 0, (key, case)
         assert case["with_grad"] > 0, (key, case)
         if key.startswith("trainable/") and name != "peft_lora":
-            # nothing frozen upstream of any stack: the user's reentrant choice stands (R1 silent)
-            assert case["use_reentrant"] is True, (key, case)
+            # nothing frozen upstream of any stack: the user's reentrant choice stands (R1 silent),
+            # except where a decoder takes the encoder's output by keyword (transformers 4.57 Whisper)
+            assert case["use_reentrant"] is (V5 or name != "whisper"), (key, case)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -52,9 +53,13 @@ def test_eval_mode_saves_what_train_mode_saves(script_runs, name):
     assert 0.9 <= gc["ratio_eval_to_train"] <= 1.1, gc
     assert gc["model_training"] is False  # R5 leaves the model in the user's mode
     plain = family(script_runs, name, gcpatch=False)["eval"]
+    if "error" in plain:  # transformers 4.57 Whisper: its reentrant default crashes in train mode
+        assert not V5 and name == "whisper" and "backward through the graph a second time" in plain["error"], plain
+        return
     # plainly nothing is checkpointed (PEFT's input-grads hook even adds the embedding output's graph)
     assert plain["saved_eval_gc"] >= plain["saved_eval_nogc"], plain
-    assert plain["ratio_eval_to_train"] > 2, plain
+    # None: 4.x's reentrant default over PEFT's frozen base builds no graph at all in train mode
+    assert plain["ratio_eval_to_train"] is None or plain["ratio_eval_to_train"] > 2, plain
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -120,11 +125,18 @@ def test_whisper_and_clip_unfrozen_keep_reentrant_in_strict_mode(script_runs):
     raise on this correct set-up."""
     run = script_runs.get(SCRIPT, *STRICT.args, gcpatch=True, env=dict(STRICT.env))
     fams = run.result["families"]
-    for name in ("whisper", "clip"):
+    if not V5:
+        # transformers 4.57's WhisperDecoder passes encoder_hidden_states by keyword: reentrant is
+        # not a correct set-up there (plain: "backward through the graph a second time")
+        assert "R1" in fams["whisper"]["setup_error"] and "keyword" in fams["whisper"]["setup_error"], fams["whisper"]
+        plain = script_runs.get(SCRIPT, *STRICT.args, gcpatch=False)
+        assert "backward through the graph a second time" in str(plain.result["families"]["whisper"]), \
+            plain.result["families"]["whisper"]
+    for name in ("whisper", "clip") if V5 else ("clip",):
         assert "setup_error" not in fams[name], fams[name]
         for key, case in grad_cases(fams[name]).items():
             assert case["use_reentrant"] is True and case["wrong"] == 0 and case["error"] is None, (name, key, case)
-    whisper = [r for r in run.records() if r["facts"]["model_class"] == "WhisperForConditionalGeneration"]
+    whisper = [r for r in run.records() if r.get("facts", {}).get("model_class") == "WhisperForConditionalGeneration"]
     assert whisper and whisper[0]["facts"]["partially_frozen"] is True  # embed_positions: frozen by the model
     encoder = next(s for s in whisper[0]["facts"]["stacks"] if s["stack"] == "model.encoder.layers")
     assert encoder["inputs_can_require_grad"] and encoder["trainable_upstream"] > 0, encoder

@@ -130,6 +130,11 @@ def _stacks_without_input_grads(facts: Facts) -> str:
             return ""
         return (f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters: "
                 "reentrant would drop the gradients of layers whose inputs need none")
+    keyword = [s for s in facts.stacks if s.get("encoder_states_by_keyword")]
+    if keyword and facts.trainable_params:
+        names = ", ".join(s["stack"] for s in keyword)
+        return (f"{names} gets the encoder's output as a keyword argument, which a reentrant checkpoint does not "
+                "see: the encoder's gradients through it are lost or its graph is run twice")
     starved = [s for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"]]
     if not starved:
         return ""
