@@ -1,45 +1,23 @@
-"""Switching gcpatch on and off: a light import watcher that starts the engine lazily.
+"""Switching gcpatch on and off, and starting the engine at the first framework import.
 
-This module is on every interpreter's start-up path when GCPATCH=1, so it imports nothing
-beyond what Python has already loaded: the engine (wrapt, pluggy, entry points) starts only
-when the first framework package is imported (issue #3, design card: never import them).
+The watcher lives in the start-up module (`_gcpatch_startup`), so GCPATCH=1 costs one small module
+at interpreter start-up; this package loads when a framework is first imported, or when the user
+imports it. Either way the engine (wrapt, pluggy, entry points) starts only once a framework is
+imported, and never imports one itself.
 """
 from __future__ import annotations
 
 import os
 import sys
 
+import _gcpatch_startup
 from gcpatch import settings
 
-# The packages whose first import starts the engine. Third-party plugins are loaded then too.
-TRIGGERS = frozenset({"transformers", "peft", "trl", "axolotl", "colossalai", "accelerate", "deepspeed"})
+TRIGGERS = _gcpatch_startup.TRIGGERS
 
 _active = False
 # GCPATCH as the process found it, before activate() set it for children (for `gcpatch doctor`).
 ENV_AT_START = os.environ.get("GCPATCH")
-
-
-class _FrameworkWatcher:
-    """A `sys.meta_path` finder that waits for the first import of a trigger package.
-
-    It never finds anything itself: when a trigger is looked up it starts the engine (which
-    installs its own post-import hooks) and hands the lookup back to the import system.
-    """
-
-    def find_spec(self, fullname: str, path=None, target=None):  # noqa: ANN001 (import protocol)
-        if path is not None or fullname not in TRIGGERS:
-            return None
-        _remove_watcher()
-        _start_engine()
-        import importlib.util  # only now: a framework is being imported anyway
-
-        return importlib.util.find_spec(fullname)
-
-    def __repr__(self) -> str:
-        return "<gcpatch framework watcher>"
-
-
-_WATCHER = _FrameworkWatcher()
 
 
 def activate() -> bool:
@@ -56,21 +34,25 @@ def activate() -> bool:
         _active = True
         # Children (subprocess, torchrun/accelerate/deepspeed ranks) start through the .pth line.
         os.environ.setdefault("GCPATCH", "1")
-        if any(name in sys.modules for name in TRIGGERS):
-            _start_engine()
-        elif _WATCHER not in sys.meta_path:
-            sys.meta_path.insert(0, _WATCHER)
+        _gcpatch_startup.watch(framework_imported)
         return True
     except Exception as exc:  # fail open: gcpatch must never break the host's start-up
         sys.stderr.write(f"gcpatch: not activated ({type(exc).__name__}: {exc})\n")
         return False
 
 
+def framework_imported() -> None:
+    """A trigger package is being imported (or already is): start the engine if gcpatch is on."""
+    if _active:
+        _gcpatch_startup.unwatch()
+        _start_engine()
+
+
 def deactivate() -> None:
     """Remove the watcher and every installed patch, restoring the originals."""
     global _active
     _active = False
-    _remove_watcher()
+    _gcpatch_startup.unwatch()
     if "gcpatch.engine" in sys.modules:
         sys.modules["gcpatch.engine"].stop()
 
@@ -79,17 +61,12 @@ def is_active() -> bool:
     return _active
 
 
-def _remove_watcher() -> None:
-    while _WATCHER in sys.meta_path:
-        sys.meta_path.remove(_WATCHER)
-
-
 def _start_engine() -> None:
     try:
         from gcpatch import engine
 
         engine.start()
-    except Exception as exc:  # fail open (issue #3 item 9): one line, original behaviour
+    except Exception as exc:  # fail open: one line, the frameworks' own behaviour
         if settings.read().strict:
             raise
         sys.stderr.write(f"gcpatch: engine not started, frameworks run unpatched ({type(exc).__name__}: {exc})\n")

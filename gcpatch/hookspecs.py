@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pluggy
 
-from gcpatch.schema import Facts, PatchPoint, PluginInfo, Vote
+from gcpatch.schema import CallFacts, Facts, PatchPoint, PluginInfo, Vote
 
 PROJECT = "gcpatch"
 ENTRY_POINT_GROUP = "gcpatch.plugins"
@@ -40,4 +40,13 @@ class PluginSpec:
 
         Return the votes of this plugin's rules that apply to these facts (an empty list when
         none does). Votes must depend on `facts` alone, so that every rank decides the same.
+        """
+
+    @hookspec
+    def gcpatch_call_vote(self, facts: CallFacts) -> list[Vote]:
+        """Called for a `torch.utils.checkpoint.checkpoint` call that no enable-time decision
+        covers, once per pattern of facts (the outcome is cached by them), never per step.
+
+        Return the votes of this plugin's call-level rules (an empty list when none applies).
+        Optional: a plugin without call-level rules does not implement it.
         """

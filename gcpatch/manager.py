@@ -16,7 +16,7 @@ from packaging.version import InvalidVersion, Version
 
 from gcpatch import hookspecs
 from gcpatch.errors import GcpatchError
-from gcpatch.schema import Facts, PatchPoint, PluginInfo, Vote
+from gcpatch.schema import CallFacts, Facts, PatchPoint, PluginInfo, Vote
 
 log = logging.getLogger("gcpatch")
 
@@ -38,6 +38,7 @@ class PluginHost:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs.PluginSpec)
         self._strict = strict
+        self._reported: set[tuple[str, str]] = set()
         self.statuses: list[PluginStatus] = []
 
     @classmethod
@@ -97,14 +98,35 @@ class PluginHost:
     def votes(self, facts: Facts) -> list[Vote]:
         """Every active plugin's votes, in plugin order. A plugin that raises stops the decision
         (the caller falls back to the host's own behaviour): a partial vote could be wrong."""
+        return self._gather("gcpatch_vote", facts)
+
+    def call_votes(self, facts: CallFacts) -> list[Vote]:
+        """Every active plugin's votes on one checkpoint call's facts (`gcpatch_call_vote`)."""
+        return self._gather("gcpatch_call_vote", facts)
+
+    def _gather(self, hook: str, facts: object) -> list[Vote]:
         votes: list[Vote] = []
         for status in self.active():
             try:
-                result = self._call_one(status.name, "gcpatch_vote", facts=facts) or []
+                result = self._call_one(status.name, hook, facts=facts) or []
             except Exception as exc:
-                raise PluginFailure(status.name, "gcpatch_vote", exc) from exc
-            votes.extend(_stamped(v, status.name) for v in result)
+                raise PluginFailure(status.name, hook, exc) from exc
+            declared = {rule.id for rule in status.info.rules} if status.info else set()
+            for vote in result:
+                if vote.rule not in declared:
+                    self._undeclared(status.name, vote.rule)
+                    continue
+                votes.append(_stamped(vote, status.name))
         return votes
+
+    def _undeclared(self, plugin: str, rule: str) -> None:
+        """A vote whose rule is not in its plugin's table cannot be explained: it is dropped."""
+        text = f"plugin {plugin!r} voted with rule {rule!r}, which its rule table does not declare"
+        if self._strict:
+            raise GcpatchError(text, rule=f"plugin:{plugin}", fix=f"declare {rule} in gcpatch_plugin_info's rules")
+        if (plugin, rule) not in self._reported:
+            self._reported.add((plugin, rule))
+            log.warning("gcpatch: %s; the vote is ignored", text)
 
     def _call_one(self, name: str, hook: str, **kwargs):  # noqa: ANN202
         for impl in getattr(self._pm.hook, hook).get_hookimpls():

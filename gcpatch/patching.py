@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 from dataclasses import dataclass
 from typing import Any
 
 import wrapt
 
+from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 from gcpatch.schema import PatchPoint
 
@@ -27,7 +29,7 @@ class Installed:
     original: Any
     wrapper: Any
     inherited: bool
-    copies: list[tuple[Any, str]]
+    copies: list[_Binding]
 
 
 class Patcher:
@@ -59,7 +61,8 @@ class Patcher:
             original = getattr(owner, attr) if inherited else vars(owner)[attr]
             if getattr(original, "_self_gcpatch", False):
                 return  # already ours (the start-up line ran twice)
-            wrapper = _GcpatchWrapper(original, _fail_open(point, plugin, self._strict))
+            guard = point.wrapper if point.guarded else _fail_open(point, plugin, self._strict)
+            wrapper = _GcpatchWrapper(original, guard)
             setattr(owner, attr, wrapper)
             copies = _replace_copies(original, wrapper) if point.copies else []
             self.installed[key] = Installed(point, plugin, owner, attr, original, wrapper, inherited, copies)
@@ -72,9 +75,8 @@ class Patcher:
         """Put every original back, by identity, where our wrapper still stands."""
         self._stopped = True
         for item in self.installed.values():
-            for module, name in item.copies:
-                if vars(module).get(name) is item.wrapper:
-                    setattr(module, name, item.original)
+            for binding in item.copies:
+                binding.restore(item.original, item.wrapper)
             if vars(item.owner).get(item.attr) is not item.wrapper:
                 continue  # someone wrapped over us: leave their object alone
             if item.inherited:
@@ -88,19 +90,77 @@ class _GcpatchWrapper(wrapt.FunctionWrapper):
     _self_gcpatch = True
 
 
-def _replace_copies(original: Any, wrapper: Any) -> list[tuple[Any, str]]:
-    """Point every module-level name bound to `original` at `wrapper` (P3): modules imported
-    before the patch hold their own reference. Later imports get the wrapper anyway."""
-    replaced = []
+def _replace_copies(original: Any, wrapper: Any) -> list[_Binding]:
+    """Point every module-level name bound to `original` at `wrapper` (P3: modules imported
+    before the patch hold their own reference), and every default argument captured from it in
+    those modules' functions and classes (transformers' `_set_gradient_checkpointing(...,
+    gradient_checkpointing_func=checkpoint)`). Later imports get the wrapper anyway."""
+    replaced: list[_Binding] = []
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
-        for name, value in list(namespace.items()):
-            if value is original:
-                setattr(module, name, wrapper)
-                replaced.append((module, name))
+        names = [name for name, value in list(namespace.items()) if value is original]
+        if not names:
+            continue
+        for name in names:
+            setattr(module, name, wrapper)
+            replaced.append(_Binding(module, name))
+        replaced.extend(_replace_defaults(module, original, wrapper))
     return replaced
+
+
+class _Binding:
+    """One place that held the original: a module attribute, or a function's default argument."""
+
+    def __init__(self, owner: Any, name: str, index: int | None = None) -> None:
+        self.owner, self.name, self.index = owner, name, index
+
+    def restore(self, original: Any, wrapper: Any) -> None:
+        if self.index is None:
+            if vars(self.owner).get(self.name) is wrapper:
+                setattr(self.owner, self.name, original)
+        elif self.name == "__kwdefaults__":
+            defaults = self.owner.__kwdefaults__ or {}
+            key = list(defaults)[self.index]
+            if defaults.get(key) is wrapper:
+                defaults[key] = original
+        else:
+            defaults = list(self.owner.__defaults__ or ())
+            if self.index < len(defaults) and defaults[self.index] is wrapper:
+                defaults[self.index] = original
+                self.owner.__defaults__ = tuple(defaults)
+
+
+def _replace_defaults(module: Any, original: Any, wrapper: Any) -> list[_Binding]:
+    replaced: list[_Binding] = []
+    for function in _functions_of(module):
+        defaults = function.__defaults__
+        if defaults and any(d is original for d in defaults):
+            function.__defaults__ = tuple(wrapper if d is original else d for d in defaults)
+            replaced.extend(_Binding(function, "__defaults__", i) for i, d in enumerate(defaults) if d is original)
+        kwdefaults = function.__kwdefaults__
+        if kwdefaults:
+            for i, (key, value) in enumerate(list(kwdefaults.items())):
+                if value is original:
+                    kwdefaults[key] = wrapper
+                    replaced.append(_Binding(function, "__kwdefaults__", i))
+    return replaced
+
+
+def _functions_of(module: Any) -> list[Any]:
+    """The plain functions defined in `module`, at module level and one class level down."""
+    found = []
+    name = module.__name__
+    for value in list(vars(module).values()):
+        if isinstance(value, type) and value.__module__ == name:
+            for member in list(vars(value).values()):
+                member = getattr(member, "__func__", member)  # staticmethod, classmethod
+                if isinstance(member, types.FunctionType):
+                    found.append(member)
+        elif isinstance(value, types.FunctionType) and value.__module__ == name:
+            found.append(value)
+    return found
 
 
 def _resolve(module: Any, target: str) -> tuple[Any, str]:
@@ -115,19 +175,20 @@ class _Original:
     """The wrapped callable, remembering whether it was reached: an exception raised after that
     is the host's own and propagates; one raised before is gcpatch's and fails open."""
 
-    def __init__(self, wrapped: Any) -> None:
+    def __init__(self, wrapped: Any, caller: Any = None) -> None:
         self.wrapped = wrapped
         self.__wrapped__ = wrapped  # so inspect.signature() gives plugins the real signature
+        self.caller = caller  # the user's frame: the framework's warnings name it, not gcpatch
         self.called = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.called = True
-        return self.wrapped(*args, **kwargs)
+        return call_from(self.caller, self.wrapped, args, kwargs)
 
 
 def _fail_open(point: PatchPoint, plugin: str, strict: bool):  # noqa: ANN202
     def wrapper(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202 (wrapt's protocol)
-        original = _Original(wrapped)
+        original = _Original(wrapped, user_frame())
         try:
             return point.wrapper(original, instance, args, kwargs)
         except GcpatchError:

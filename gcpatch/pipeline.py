@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from gcpatch import apply, engine, record, resolve, settings
+from gcpatch import apply, checkpoint_call, engine, record, resolve, settings
 from gcpatch import facts as facts_mod
 from gcpatch.errors import GcpatchError
 from gcpatch.manager import PluginFailure
@@ -87,6 +87,7 @@ def run_enable(call: EnableCall) -> Any:
         apply.remove_all(call.model)
         _failed_open("apply", exc, cfg)
         return call.invoke(call.asked_kwargs)
+    checkpoint_call.cover(call.model)  # its layers' checkpoint calls follow this decision (CK4)
     if call.asked_kwargs is not None and USE_REENTRANT in call.asked_kwargs and source != "trainer":
         state.ask, state.ask_from = dict(call.asked_kwargs), call.asked_from
     state.replay = call.replay or state.replay
@@ -94,6 +95,14 @@ def run_enable(call: EnableCall) -> Any:
     entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=_same_as_last(state, facts, decision))
     state.last = entry
     return result
+
+
+def run_disable(model: Any) -> dict[str, str]:
+    """The user switched checkpointing off: take back what gcpatch added for the enable. Returns
+    the configs whose `use_cache` was given back (R6)."""
+    restored = apply.remove_all(model)
+    checkpoint_call.uncover(model)
+    return restored
 
 
 def run_config(facts: Any, write: Callable[[Any], dict[str, Any]]) -> Any:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from gcpatch.facts import rank
-from gcpatch.schema import Decision, Facts
+from gcpatch.schema import CallFacts, Decision, Facts
 
 log = logging.getLogger("gcpatch")
 _history: list[dict[str, Any]] = []
@@ -81,6 +81,34 @@ def decision(
     return entry
 
 
+def call_site(
+    site: str, facts: CallFacts, outcome: Decision, applied: dict[str, Any], record_dir: str | None
+) -> dict[str, Any]:
+    """Record what gcpatch did at one `checkpoint` call site: once per site and outcome, however
+    many steps call it."""
+    entry = {
+        "time": time.time(),
+        "pid": os.getpid(),
+        "rank": rank(),
+        "stage": "call",
+        "site": site,
+        "asked": {"use_reentrant": facts.asked_use_reentrant,
+                  "from": "the call" if facts.asked_use_reentrant is not None else "torch's default"},
+        "applied": applied,
+        "rules": [v.rule for k, v in outcome.winners.items() if k in applied],
+        "why": {k: f"{v.rule}: {v.reason}" for k, v in outcome.winners.items() if k in applied},
+        "decision": outcome.to_dict(),
+        "facts": facts.to_dict(),
+    }
+    _history.append(entry)
+    log.info("%s", summary(entry))
+    for text in outcome.warnings + outcome.conflicts:
+        log.warning("gcpatch: warning: %s (at %s)", text, site)
+    if record_dir:
+        _write(entry, record_dir)
+    return entry
+
+
 def failure(stage: str, text: str, record_dir: str | None) -> None:
     """Record a decision that failed open: the host ran with its own behaviour."""
     entry = {"time": time.time(), "pid": os.getpid(), "rank": rank(), "stage": stage, "failed_open": text}
@@ -93,6 +121,10 @@ def summary(entry: dict[str, Any]) -> str:
     """The one line a decision gets: where, what was asked, what was applied, which rule, why."""
     if "failed_open" in entry:
         return f"gcpatch: rank {entry['rank']} {entry['stage']}: failed open, original behaviour ({entry['failed_open']})"
+    if entry.get("stage") == "call":
+        applied = ", ".join(f"{k}={v}" for k, v in entry["applied"].items()) or "left as called"
+        why = "; ".join(entry["why"].values())
+        return f"gcpatch: rank {entry['rank']} checkpoint call at {entry['site']}: {applied}" + (f" | {why}" if why else "")
     asked = entry["asked"]
     ask = "nothing" if asked["use_reentrant"] is None else f"use_reentrant={asked['use_reentrant']}"
     applied = ", ".join(f"{k}={v}" for k, v in entry["applied"].items()) or "nothing"

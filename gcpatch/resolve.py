@@ -12,6 +12,7 @@ from gcpatch.schema import (
     DEFAULT,
     EVAL_MODE_FIX,
     FAILURE_ORDER,
+    RUN_INLINE,
     REQUIRED,
     STRENGTH_ORDER,
     USE_REENTRANT,
@@ -21,9 +22,9 @@ from gcpatch.schema import (
     Vote,
 )
 
-# Knobs about the user's own model state rather than a checkpoint argument: warn mode only
-# warns about them (R5).
-_STATE_KNOBS = (EVAL_MODE_FIX,)
+# Knobs about how the user's own code runs rather than a checkpoint argument: warn mode only
+# warns about them (R5, CK2).
+_STATE_KNOBS = (EVAL_MODE_FIX, RUN_INLINE)
 
 
 def stance_votes(facts: Facts) -> list[Vote]:

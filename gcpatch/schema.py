@@ -27,7 +27,8 @@ USE_REENTRANT = "use_reentrant"
 INPUT_GRADS_HOOK = "input_grads_hook"
 USE_CACHE_OFF = "use_cache_off"
 EVAL_MODE_FIX = "eval_mode_fix"
-KNOBS = (USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX)
+RUN_INLINE = "run_inline"  # a checkpoint call nested in another runs its function directly (CK2)
+KNOBS = (USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX, RUN_INLINE)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class PatchPoint:
     applies: Callable[[Any], bool] = lambda module: True
     why: str = ""
     copies: bool = False  # also replace `from x import f` copies already bound in other modules
+    guarded: bool = False  # the wrapper fails open by itself: no per-call guard layer (hot paths)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,31 @@ class Facts:
         data["use_cache_configs"] = dict(self.use_cache_configs)
         data["stacks"] = [dict(stack) for stack in self.stacks]
         data["partially_frozen"] = self.partially_frozen
+        return data
+
+
+@dataclass(frozen=True)
+class CallFacts:
+    """The facts of one `torch.utils.checkpoint.checkpoint` call that no enable-time decision
+    covers. Exact and cheap: read from the call's own arguments at call time, so the decision
+    for one pattern of facts holds for every call that shows it (and is cached by it)."""
+
+    asked_use_reentrant: bool | None  # None: not passed, torch's default (reentrant on torch 2.x)
+    grad_enabled: bool
+    inputs_require_grad: bool  # a positional tensor input requires grad (what reentrant looks at)
+    trainable_inside: bool | None  # the function holds trainable parameters (None: cannot be known)
+    context_fn: bool  # selective checkpointing or another context_fn was given
+    nested: bool  # called while another checkpoint's function runs (its forward or recompute)
+    torch_version: str = ""
+    stage: str = "call"
+
+    @property
+    def reentrant(self) -> bool:
+        return self.asked_use_reentrant is not False
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["reentrant"] = self.reentrant
         return data
 
 

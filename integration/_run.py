@@ -18,6 +18,7 @@ from pathlib import Path
 from packaging.version import Version
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+BLUNT = Path(__file__).resolve().parent / "blunt"  # sitecustomize.py: the force-non-reentrant patch
 TIMEOUT_S = 300
 
 TRANSFORMERS = Version(metadata.version("transformers"))
@@ -39,6 +40,7 @@ class Spec:
     gcpatch: bool = True
     env: tuple[tuple[str, str], ...] = ()
     launcher: str = "python"
+    blunt: bool = False  # GCPATCH=0 with the force-non-reentrant patch (integration/blunt) on PYTHONPATH
 
     def plain(self) -> "Spec":
         """The same run with GCPATCH=0: gcpatch's own variables (GCPATCH_MODE, ...) are dropped, so
@@ -46,10 +48,15 @@ class Spec:
         env = tuple((k, v) for k, v in self.env if not k.startswith("GCPATCH"))
         return Spec(self.script, self.args, False, env, self.launcher)
 
+    def forced_non_reentrant(self) -> "Spec":
+        """The plain run with the blunt fix many scripts carry: every checkpoint call non-reentrant."""
+        return Spec(self.script, self.args, False, self.plain().env, self.launcher, blunt=True)
+
     def label(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in self.env)
         launcher = "" if self.launcher == "python" else f"{self.launcher}: "
-        return f"{launcher}{self.script} {' '.join(self.args)} [{'GCPATCH=1' if self.gcpatch else 'GCPATCH=0'}{extra}]"
+        how = "blunt" if self.blunt else ("GCPATCH=1" if self.gcpatch else "GCPATCH=0")
+        return f"{launcher}{self.script} {' '.join(self.args)} [{how}{extra}]"
 
 
 @dataclass
@@ -148,6 +155,8 @@ def run_script(spec: Spec, workdir: Path) -> Run:
     argv, launch_env = command(spec)
     env = child_env(GCPATCH="1" if spec.gcpatch else "0", GCPATCH_RECORD=str(record_dir), **launch_env,
                     **dict(spec.env))
+    if spec.blunt:
+        env["PYTHONPATH"] = str(BLUNT)
     start = time.monotonic()
     proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     run = Run(spec, proc.returncode, proc.stdout, proc.stderr, record_dir, time.monotonic() - start)

@@ -26,10 +26,11 @@ class ScriptRuns:
         return self._futures[spec]
 
     def get(self, script: str, *args: str, gcpatch: bool, env: dict[str, str] | None = None,
-            launcher: str = "python", exit_ok: bool = True) -> Run:
+            launcher: str = "python", exit_ok: bool = True, blunt: bool = False) -> Run:
         """The run's RESULT; `exit_ok=False` accepts a non-zero exit (ranks that crashed after
-        printing their RESULT lines, as a plain DDP failure does)."""
-        spec = Spec(script, tuple(args), gcpatch, tuple(sorted((env or {}).items())), launcher)
+        printing their RESULT lines, as a plain DDP failure does); `blunt` runs it plain with the
+        force-non-reentrant patch."""
+        spec = Spec(script, tuple(args), gcpatch, tuple(sorted((env or {}).items())), launcher, blunt)
         run = self.submit(spec).result()
         assert (run.returncode == 0 or not exit_ok) and run.result, \
             f"script failed or printed no single RESULT line\n{run.describe()}"

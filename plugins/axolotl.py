@@ -6,6 +6,7 @@ writes it into the config; the model-level decisions that follow see the same se
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -13,6 +14,8 @@ from gcpatch.facts import for_config
 from gcpatch.hookspecs import hookimpl
 from gcpatch.pipeline import run_config
 from gcpatch.schema import CRASH, RECOMMENDED, REQUIRED, USE_REENTRANT, Decision, Facts, PatchPoint, PluginInfo, Rule, Vote
+
+log = logging.getLogger("gcpatch")
 
 RULES = (
     Rule("A1", "unfrozen_parameters + use_reentrant: true is refused by Axolotl; gcpatch decides it first by R1 "
@@ -91,6 +94,8 @@ def _zero3(deepspeed: Any) -> bool:
         try:
             with open(deepspeed, encoding="utf-8") as handle:
                 config = json.load(handle)
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
+            log.warning("gcpatch: cannot read the DeepSpeed config %s (%s: %s); ZeRO-3 rules (R3) are not applied "
+                        "at config time", deepspeed, type(exc).__name__, exc)
             return False
     return isinstance(config, dict) and (config.get("zero_optimization") or {}).get("stage") == 3

@@ -5,6 +5,8 @@ hook is the only correct choice (R3, TRL T2, Axolotl A3); fixed releases need no
 """
 from __future__ import annotations
 
+import logging
+
 from packaging.version import InvalidVersion, Version
 
 from gcpatch.facts import installed_version
@@ -14,6 +16,7 @@ from gcpatch.schema import CRASH, INPUT_GRADS_HOOK, REQUIRED, USE_REENTRANT, Fac
 # The first release whose runtime/zero/partitioned_param_coordinator.py skips frozen params
 # during checkpoint recompute (`in_checkpoint_recompute`, absent from 0.19.2; DeepSpeed PR #8148).
 FIRST_FIXED = Version("0.19.3")
+log = logging.getLogger("gcpatch")
 
 RULES = (
     Rule("R3", f"ZeRO-3 + frozen or PEFT parameters on DeepSpeed < {FIRST_FIXED} -> reentrant + input-grads hook, "
@@ -50,7 +53,11 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
 
 
 def _lacks_fix(version: str | None) -> bool:
+    """An unreadable version counts as lacking the fix: R3's reentrant + hook is correct on fixed
+    releases too, while non-reentrant crashes on the others."""
     try:
         return version is not None and Version(version) < FIRST_FIXED
     except InvalidVersion:
-        return False
+        log.warning("gcpatch: DeepSpeed version %r is not a PEP 440 version; R3 assumes it lacks the "
+                    "recompute fix of %s", version, FIRST_FIXED)
+        return True

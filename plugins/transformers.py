@@ -21,8 +21,7 @@ import sys
 from typing import Any
 
 from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import EnableCall, run_enable
-from gcpatch.apply import remove_all
+from gcpatch.pipeline import EnableCall, run_disable, run_enable
 from gcpatch.schema import (
     EVAL_MODE_FIX,
     INPUT_GRADS_HOOK,
@@ -221,7 +220,7 @@ def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:
 def _disable(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
     """The user's off is final: gcpatch takes back what it changed for the enable (hooks, the
     eval-mode fix, R6's use_cache) so the model is what it would be without gcpatch."""
-    restored = remove_all(model)
+    restored = run_disable(model)
     if restored:
         logging.getLogger("gcpatch").info(
             "gcpatch: %s gradient checkpointing disable: %s", type(model).__name__,

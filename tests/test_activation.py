@@ -1,5 +1,6 @@
-"""Activation: the start-up line costs nothing when off, imports nothing heavy when on, runs
-twice harmlessly, and reaches child interpreters (issue #3 item 2)."""
+"""Activation: the start-up line costs nothing when off, loads one small module when on (the
+package follows the first framework import), runs twice harmlessly, and reaches child
+interpreters."""
 from __future__ import annotations
 
 import shutil
@@ -30,10 +31,25 @@ def test_unset_imports_no_gcpatch_module(tmp_path):
     assert "gcpatch" not in proc.stderr
 
 
-def test_on_imports_nothing_heavy_until_a_framework_is(tmp_path):
+def test_on_loads_only_the_startup_module_until_a_framework_is_imported(tmp_path):
     modules = set(result_of(run_python(LIST_MODULES, tmp_path, GCPATCH="1")))
-    assert "gcpatch.activation" in modules, "GCPATCH=1 must activate at start-up"
+    assert "_gcpatch_startup" in modules, "GCPATCH=1 must install the watcher at start-up"
+    assert [m for m in modules if m == "gcpatch" or m.startswith("gcpatch.")] == []
     assert [m for m in HEAVY if m in modules] == []
+    watching = run_python("import sys, json; print('RESULT ' + json.dumps([repr(f) for f in sys.meta_path]))",
+                          tmp_path, GCPATCH="1")
+    assert "<gcpatch framework watcher>" in result_of(watching)
+
+
+def test_first_framework_import_starts_gcpatch(tmp_path):
+    proc = run_python("""
+        import json, sys
+        import torch.utils.checkpoint as cp
+        print("RESULT " + json.dumps({"active": sys.modules["gcpatch"].is_active(),
+                                      "patched": type(cp.checkpoint).__name__,
+                                      "watchers": sum("gcpatch" in repr(f) for f in sys.meta_path)}))
+    """, tmp_path, GCPATCH="1")
+    assert result_of(proc) == {"active": True, "patched": "_GcpatchWrapper", "watchers": 0}, proc.stderr
 
 
 def test_zero_switches_an_explicit_import_off(tmp_path):
@@ -74,7 +90,7 @@ def test_startup_line_run_twice_patches_once(tmp_path):
 def test_child_interpreter_inherits_activation_from_import(tmp_path):
     proc = run_python("""
         import gcpatch, json, subprocess, sys
-        child = "import sys; print('gcpatch.activation' in sys.modules)"
+        child = "import sys; print(any(repr(f) == '<gcpatch framework watcher>' for f in sys.meta_path))"
         out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip()
         print("RESULT " + json.dumps(out))
     """, tmp_path)

@@ -1,0 +1,123 @@
+"""Code that calls `torch.utils.checkpoint.checkpoint` itself, on a hand-written model (no
+transformers): the calls gcpatch meets only at the checkpoint call.
+
+--case frozen_embedding   reentrant asked after a frozen embedding: no input of the first block
+                          requires grad (reentrant drops its gradients; CK1)
+--case context_fn         selective checkpointing, use_reentrant not passed (torch's default is
+                          reentrant, which refuses context_fn; CK3)
+--case context_fn_non_reentrant   the same asked non-reentrant: must stay non-reentrant
+--case correct_reentrant  all trainable, reentrant asked: correct as called, left untouched
+--case nested             blocks checkpointed by the loop that also checkpoint their own inner
+                          module (recomputed twice; CK2)
+
+Ordinary user code: nothing here imports gcpatch.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--case", required=True)
+parser.add_argument("--reentrant", choices=("true", "false"), default="true")
+args = parser.parse_args()
+REENTRANT = args.reentrant == "true"
+RUNS: dict[str, int] = {}
+
+
+def policy(ctx, op, *a, **k):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Inner(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        RUNS["inner"] = RUNS.get("inner", 0) + 1
+        return torch.tanh(self.lin(h))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, nested: bool) -> None:
+        super().__init__()
+        self.inner, self.norm, self.nested = Inner(dim), nn.LayerNorm(dim), nested
+
+    def forward(self, h):
+        inner = checkpoint(self.inner, h, use_reentrant=REENTRANT) if self.nested else self.inner(h)
+        return h + self.norm(inner)
+
+
+class Net(nn.Module):
+    def __init__(self, nested: bool = False, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, dim)
+        self.blocks = nn.ModuleList(Block(dim, nested) for _ in range(3))
+        self.head = nn.Linear(dim, 50)
+
+    def forward(self, ids, ckpt):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = ckpt(block, h) if ckpt else block(h)
+        return self.head(h)
+
+
+def call(case):
+    if case in ("frozen_embedding", "correct_reentrant", "nested"):
+        return lambda block, h: checkpoint(block, h, use_reentrant=REENTRANT)
+    context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, policy)
+    if case == "context_fn":
+        return lambda block, h: checkpoint(block, h, context_fn=context)
+    if case == "context_fn_non_reentrant":
+        return lambda block, h: checkpoint(block, h, use_reentrant=False, context_fn=context)
+    raise SystemExit(f"unknown case {case}")
+
+
+def step(ckpt):
+    torch.manual_seed(0)
+    model = Net(nested=args.case == "nested")
+    if args.case == "frozen_embedding":
+        model.emb.weight.requires_grad_(False)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    RUNS.clear()
+    out = model(ids, ckpt)
+    grad_fns = sorted({type(t.grad_fn).__name__ for t in [out]})
+    out.float().pow(2).mean().backward()
+    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters() if p.requires_grad}
+    return grads, dict(RUNS), grad_fns
+
+
+def main():
+    ref, _, _ = step(None)
+    result = {"case": args.case, "error": None}
+    try:
+        got, runs, _ = step(call(args.case))
+        wrong = sorted(n for n in ref if got[n] is None or not torch.equal(got[n], ref[n]))
+        result.update(trainable=len(ref), wrong=len(wrong), wrong_names=wrong,
+                      inner_runs_per_block=runs.get("inner", 0) / 3)
+        # which variant really ran: reentrant leaves CheckpointFunctionBackward in the graph
+        torch.manual_seed(0)
+        model = Net()
+        if args.case == "frozen_embedding":
+            model.emb.weight.requires_grad_(False)
+        h = model.emb(torch.zeros(1, 4, dtype=torch.long))
+        out = call(args.case)(model.blocks[0], h)
+        result["ran_reentrant"] = type(out.grad_fn).__name__ == "CheckpointFunctionBackward"
+    except Exception as exc:  # the plain run's failure is the result
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    module = sys.modules.get("gcpatch")
+    result.update(gcpatch_loaded=module is not None, env_GCPATCH=os.environ.get("GCPATCH"))
+    print("RESULT " + json.dumps(result, sort_keys=True), flush=True)
+
+
+main()

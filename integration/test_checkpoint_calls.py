@@ -1,0 +1,93 @@
+"""The decision point at the checkpoint call (CK1-CK4): code that calls
+`torch.utils.checkpoint.checkpoint` itself and FSDP's own checkpoint wrapper, under GCPATCH=1
+with no code change, against the plain run and the blunt force-non-reentrant patch.
+
+Hand-written model, reentrant asked after a frozen embedding: plain 12 of 14 trainable tensors
+get no gradient; gcpatch (CK1) and the blunt patch 0. Selective checkpointing with torch's default:
+plain raises ValueError; gcpatch runs it non-reentrant (CK3). A correct reentrant call stays
+reentrant under gcpatch (the blunt patch changes it). Nested checkpoints: plain and blunt run the
+inner block 3 times a step, gcpatch twice (CK2). FSDP2 + FSDP's reentrant checkpoint_wrapper around
+layers transformers also checkpoints: plain 3 runs a layer, gcpatch 2, gradients exact.
+"""
+from __future__ import annotations
+
+import pytest
+
+from _asserts import assert_explained, assert_plain
+from _run import Spec
+
+SCRIPT = "torch_checkpoint_calls.py"
+CASES = ("frozen_embedding", "context_fn", "context_fn_non_reentrant", "correct_reentrant", "nested")
+RUNS = [Spec(SCRIPT, ("--case", case)) for case in CASES] + \
+       [Spec(SCRIPT, ("--case", "frozen_embedding"), env=(("GCPATCH_MODE", m),)) for m in ("warn", "strict")] + \
+       [Spec("fsdp_nested.py", launcher="torchrun2")]
+
+
+def _run(script_runs, case, gcpatch=True, **kw):
+    return script_runs.get(SCRIPT, "--case", case, gcpatch=gcpatch, **kw)
+
+
+def _call_records(run):
+    return [r for r in run.records() if r.get("stage") == "call"]
+
+
+def test_frozen_embedding_reentrant_call_gets_exact_gradients(script_runs):
+    plain = _run(script_runs, "frozen_embedding", gcpatch=False)
+    assert_plain(plain)
+    assert plain.result["wrong"] == 12 and plain.result["trainable"] == 14
+    run = _run(script_runs, "frozen_embedding")
+    assert run.result["error"] is None and run.result["wrong"] == 0, run.describe()
+    [record] = _call_records(run)  # once per call site, not once per block or step
+    assert record["rules"] == ["CK1"] and record["applied"] == {"use_reentrant": False}
+    assert record["site"].endswith("torch_checkpoint_calls.py:" + record["site"].rsplit(":", 1)[1])
+    assert_explained(run, "CK1", "torch_checkpoint_calls.py")
+
+
+def test_warn_mode_only_says_it_and_strict_mode_raises_at_the_first_call(script_runs):
+    warn = _run(script_runs, "frozen_embedding", env={"GCPATCH_MODE": "warn"})
+    assert warn.result["wrong"] == 12  # the call is left as made
+    assert any("CK1 requires use_reentrant=False" in line for line in warn.stderr.splitlines()), warn.describe()
+    strict = _run(script_runs, "frozen_embedding", env={"GCPATCH_MODE": "strict"})
+    assert strict.result["error"].startswith("GcpatchError: [CK1]"), strict.result
+
+
+def test_selective_checkpointing_with_torch_default_runs_non_reentrant(script_runs):
+    plain = _run(script_runs, "context_fn", gcpatch=False)
+    assert plain.result["error"].startswith("ValueError: Passing `context_fn`")
+    run = _run(script_runs, "context_fn")
+    assert run.result["error"] is None and run.result["wrong"] == 0 and run.result["ran_reentrant"] is False
+    assert [r["rules"] for r in _call_records(run)] == [["CK3"]]
+
+
+def test_context_fn_call_asked_non_reentrant_is_never_switched(script_runs):
+    run = _run(script_runs, "context_fn_non_reentrant")
+    assert run.result["error"] is None and run.result["wrong"] == 0 and run.result["ran_reentrant"] is False
+    assert _call_records(run) == []
+
+
+def test_correct_reentrant_call_is_left_untouched(script_runs):
+    run = _run(script_runs, "correct_reentrant")
+    assert run.result["wrong"] == 0 and run.result["ran_reentrant"] is True
+    assert _call_records(run) == [] and run.gcpatch_lines() == []
+    blunt = _run(script_runs, "correct_reentrant", gcpatch=False, blunt=True)
+    assert blunt.result["ran_reentrant"] is False  # the blunt patch changes a correct call
+
+
+def test_nested_checkpoint_recomputes_once(script_runs):
+    plain = _run(script_runs, "nested", gcpatch=False)
+    assert plain.result["inner_runs_per_block"] == 3
+    run = _run(script_runs, "nested")
+    assert run.result["inner_runs_per_block"] == 2 and run.result["wrong"] == 0
+    assert [r["rules"] for r in _call_records(run)] == [["CK2"]]
+
+
+@pytest.mark.distributed
+def test_fsdp2_checkpoint_wrapper_around_checkpointed_layers_runs_each_layer_twice(script_runs):
+    plain = script_runs.get("fsdp_nested.py", gcpatch=False, launcher="torchrun2")
+    assert all(r["max_layer_runs"] == 3 and r["wrong"] == 0 for r in plain.results), plain.describe()
+    run = script_runs.get("fsdp_nested.py", gcpatch=True, launcher="torchrun2")
+    for result in run.results:
+        assert result["error"] is None, result["error"]
+        assert result["max_layer_runs"] == 2 and result["wrong"] == 0 and result["trainable"] == 21, result
+    ck2 = [r for r in run.records() if r.get("stage") == "call" and r["rules"] == ["CK2"]]
+    assert ck2 and all(r["site"].endswith(".py:" + r["site"].rsplit(":", 1)[1]) for r in ck2)

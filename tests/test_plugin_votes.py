@@ -1,0 +1,193 @@
+"""Each built-in plugin's votes, in process, from facts built by hand: which rule votes on which
+set-up, and that every vote names a rule its plugin declares (an unknown id fails here)."""
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import pytest
+
+from gcpatch.errors import GcpatchError
+from gcpatch.hookspecs import hookimpl
+from gcpatch.manager import PluginHost
+from gcpatch.schema import (
+    CRASH,
+    EVAL_MODE_FIX,
+    INPUT_GRADS_HOOK,
+    RECOMMENDED,
+    REQUIRED,
+    RUN_INLINE,
+    USE_CACHE_OFF,
+    USE_REENTRANT,
+    WRONG_GRADIENTS,
+    CallFacts,
+    Facts,
+    PluginInfo,
+    Rule,
+    Vote,
+)
+
+PLUGINS = ("transformers", "peft", "trl", "deepspeed", "ddp", "axolotl", "colossalai", "torch_checkpoint")
+
+
+def plugin(name: str):
+    return importlib.import_module(f"gcpatch_plugins.{name}")
+
+
+def facts(**overrides) -> Facts:
+    """An all-trainable Llama-like model, enabled by the user's own call, one process."""
+    base = dict(stage="enable", api="gradient_checkpointing_enable", source="call", model_class="LlamaForCausalLM",
+                asked_use_reentrant=None, asked_from="nothing", asked_kwargs={}, trainable_params=100,
+                frozen_params=0, embeddings_trainable=True, checkpointed_layers=2,
+                trainable_in_checkpointed_layers=True, main_input_name="input_ids", layers_in_eval_mode=0,
+                checkpoint_layer_api=True, use_cache=True, peft=False, kbit=False, zero3=False, world_size=1,
+                distributed="none", versions={"transformers": "5.23.0", "deepspeed": None})
+    base.update(overrides)
+    return Facts(**base)
+
+
+def call_facts(**overrides) -> CallFacts:
+    base = dict(asked_use_reentrant=True, grad_enabled=True, inputs_require_grad=True, trainable_inside=True,
+                context_fn=False, nested=False, torch_version="2.13.0")
+    base.update(overrides)
+    return CallFacts(**base)
+
+
+def rules_voted(votes, knob=USE_REENTRANT):
+    return [(v.rule, v.value, v.strength) for v in votes if v.knob == knob]
+
+
+def test_partially_frozen_model_gets_r1_required_non_reentrant():
+    votes = plugin("transformers").gcpatch_vote(facts(frozen_params=50))
+    assert rules_voted(votes) == [("R1", False, REQUIRED)]
+    assert next(v for v in votes if v.rule == "R1").avoids == WRONG_GRADIENTS
+
+
+def test_all_trainable_model_gets_only_the_input_grads_hook_and_use_cache_off():
+    votes = plugin("transformers").gcpatch_vote(facts())
+    assert rules_voted(votes) == []
+    assert {v.knob: v.rule for v in votes} == {INPUT_GRADS_HOOK: "R2", USE_CACHE_OFF: "R6"}
+
+
+def test_eval_mode_at_first_forward_gets_r5_only_with_grad_enabled():
+    tf = plugin("transformers")
+    assert [v.rule for v in tf.gcpatch_vote(facts(stage="first_forward", layers_in_eval_mode=2))] == ["R5"]
+    assert tf.gcpatch_vote(facts(stage="first_forward", layers_in_eval_mode=2, grad_enabled=False)) == []
+    assert tf.gcpatch_vote(facts(stage="first_forward", layers_in_eval_mode=0)) == []
+    assert [v.knob for v in tf.gcpatch_vote(facts(stage="first_forward", layers_in_eval_mode=1))] == [EVAL_MODE_FIX]
+
+
+def test_zero3_with_frozen_params_gets_r3_reentrant_only_below_the_fixed_release():
+    ds = plugin("deepspeed")
+    old = ds.gcpatch_vote(facts(zero3=True, peft=True, frozen_params=50, versions={"deepspeed": "0.18.9"}))
+    assert rules_voted(old) == [("R3", True, REQUIRED)] and old[0].avoids == CRASH
+    assert ds.gcpatch_vote(facts(zero3=True, peft=True, frozen_params=50, versions={"deepspeed": "0.19.3"})) == []
+    assert ds.gcpatch_vote(facts(zero3=False, peft=True, frozen_params=50, versions={"deepspeed": "0.18.9"})) == []
+    # R1 stands back under ZeRO-3 (reentrant is the only working choice there on old releases)
+    assert rules_voted(plugin("transformers").gcpatch_vote(facts(zero3=True, frozen_params=50))) == []
+
+
+def test_ddp_find_unused_over_several_processes_gets_r4():
+    ddp = plugin("ddp")
+    assert rules_voted(ddp.gcpatch_vote(facts(world_size=2, find_unused_parameters=True))) == \
+        [("R4", False, REQUIRED)]
+    assert ddp.gcpatch_vote(facts(world_size=1, find_unused_parameters=True)) == []
+    assert ddp.gcpatch_vote(facts(world_size=2, find_unused_parameters=False)) == []
+
+
+def test_kbit_model_gets_p1_hook():
+    votes = plugin("peft").gcpatch_vote(facts(kbit=True))
+    assert [(v.rule, v.knob) for v in votes] == [("P1", INPUT_GRADS_HOOK)]
+
+
+def test_trl_trainer_recommends_non_reentrant_below_transformers_5_and_requires_it_for_rl_qlora():
+    trl = plugin("trl")
+    assert rules_voted(trl.gcpatch_vote(facts(trainer="trl.SFTTrainer", versions={"transformers": "4.57.6"}))) == \
+        [("T1", False, RECOMMENDED)]
+    assert trl.gcpatch_vote(facts(trainer="trl.SFTTrainer")) == []
+    assert trl.gcpatch_vote(facts(trainer="transformers.Trainer", versions={"transformers": "4.57.6"})) == []
+    rl = trl.gcpatch_vote(facts(trainer="trl.GRPOTrainer", kbit=True, peft=True, world_size=2))
+    assert ("R4-RL", False, REQUIRED) in rules_voted(rl)
+
+
+def test_axolotl_votes_only_at_config_time():
+    ax = plugin("axolotl")
+    assert ax.gcpatch_vote(facts(trainer="axolotl")) == []
+    assert rules_voted(ax.gcpatch_vote(facts(stage="config", trainer="axolotl"))) == [("A2", True, RECOMMENDED)]
+
+
+def test_colossalai_recommends_non_reentrant_on_its_own_redecisions():
+    cai = plugin("colossalai")
+    assert rules_voted(cai.gcpatch_vote(facts(source="colossalai Booster.boost (C1)"))) == \
+        [("C2", False, RECOMMENDED)]
+    assert cai.gcpatch_vote(facts()) == []
+
+
+def test_checkpoint_call_rules():
+    vote = plugin("torch_checkpoint").gcpatch_call_vote
+    assert vote(call_facts()) == []  # a correct reentrant call
+    assert vote(call_facts(asked_use_reentrant=False, inputs_require_grad=False)) == []
+    assert rules_voted(vote(call_facts(inputs_require_grad=False))) == [("CK1", False, REQUIRED)]
+    assert rules_voted(vote(call_facts(asked_use_reentrant=None, inputs_require_grad=False, trainable_inside=None))) \
+        == [("CK1", False, REQUIRED)]
+    assert vote(call_facts(inputs_require_grad=False, trainable_inside=False)) == []
+    assert vote(call_facts(inputs_require_grad=False, grad_enabled=False)) == []
+    assert rules_voted(vote(call_facts(context_fn=True))) == [("CK3", False, REQUIRED)]
+    assert vote(call_facts(asked_use_reentrant=False, context_fn=True)) == []  # never made reentrant
+    assert [(v.rule, v.knob) for v in vote(call_facts(nested=True))] == [("CK2", RUN_INLINE)]
+
+
+def _fact_grid():
+    for frozen, zero3, kbit, peft, world, unused, stage, trainer, eval_layers in itertools.product(
+            (0, 50), (False, True), (False, True), (False, True), (1, 2), (False, True),
+            ("enable", "config", "first_forward"), ("", "trl.GRPOTrainer", "axolotl:rl"), (0, 2)):
+        yield facts(frozen_params=frozen, zero3=zero3, kbit=kbit, peft=peft, world_size=world,
+                    find_unused_parameters=unused, stage=stage, trainer=trainer, layers_in_eval_mode=eval_layers,
+                    source="colossalai Booster.boost" if trainer == "" and peft else "call",
+                    versions={"transformers": "4.57.6", "deepspeed": "0.18.9"})
+
+
+def _call_grid():
+    for values in itertools.product((None, True, False), (True, False), (True, False), (None, True, False),
+                                    (True, False), (True, False)):
+        yield CallFacts(*values)
+
+
+@pytest.mark.parametrize("name", PLUGINS)
+def test_every_vote_names_a_rule_its_plugin_declares(name):
+    module = plugin(name)
+    declared = {rule.id for rule in module.gcpatch_plugin_info().rules}
+    voted = set()
+    if hasattr(module, "gcpatch_vote"):
+        for f in _fact_grid():
+            voted |= {v.rule for v in module.gcpatch_vote(f)}
+    if hasattr(module, "gcpatch_call_vote"):
+        for f in _call_grid():
+            voted |= {v.rule for v in module.gcpatch_call_vote(f)}
+    assert voted <= declared, f"{name} votes with undeclared rule ids {sorted(voted - declared)}"
+    assert voted, f"{name}: no fact in the grid makes any of its rules vote"
+
+
+class _UndeclaredRulePlugin:
+    """A plugin whose vote names a rule its table does not declare."""
+
+    @hookimpl
+    def gcpatch_plugin_info(self):
+        return PluginInfo(name="undeclared", framework="pluggy", versions=">=0", rules=(Rule("U1", "u", "here"),))
+
+    @hookimpl
+    def gcpatch_vote(self, facts):
+        return [Vote(USE_REENTRANT, True, REQUIRED, "U1", "declared"), Vote(USE_REENTRANT, False, REQUIRED, "U2", "not")]
+
+
+def test_a_vote_with_an_undeclared_rule_id_is_dropped_with_a_warning_and_refused_in_strict(caplog):
+    host = PluginHost()
+    host.add(_UndeclaredRulePlugin(), "undeclared")
+    with caplog.at_level("WARNING", logger="gcpatch"):
+        votes = host.votes(facts())
+    assert [v.rule for v in votes] == ["U1"]
+    assert "voted with rule 'U2', which its rule table does not declare" in caplog.text
+    strict = PluginHost(strict=True)
+    strict.add(_UndeclaredRulePlugin(), "undeclared")
+    with pytest.raises(GcpatchError, match="U2"):
+        strict.votes(facts())
