@@ -12,7 +12,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gcpatch.facts import checkpoint_layers, checkpoint_stacks, is_checkpoint_layer, use_cache_configs
+from gcpatch.facts import checkpoint_function, checkpoint_layers, checkpoint_stacks, is_checkpoint_layer, use_cache_configs
 from gcpatch.schema import INPUT_GRADS_HOOK, USE_CACHE_OFF, USE_REENTRANT, Decision
 
 
@@ -62,7 +62,10 @@ def apply(model: Any, decision: Decision, on_first_forward: Callable[[Any], None
     state = state_of(model)
     applied: dict[str, Any] = {"use_reentrant": decision.values.get(USE_REENTRANT)}
     _remove_input_hooks(state)
-    if decision.values.get(USE_REENTRANT) and decision.values.get(INPUT_GRADS_HOOK):
+    # Under a custom checkpoint function (an offloader that may run reentrant whatever it is
+    # asked) the hook is put in place either way: harmless under non-reentrant, and what keeps a
+    # reentrant-only function's layers getting gradients.
+    if decision.values.get(INPUT_GRADS_HOOK) and (decision.values.get(USE_REENTRANT) or checkpoint_function()):
         _install_input_hooks(model, state)
         applied[INPUT_GRADS_HOOK] = True
     if decision.values.get(USE_CACHE_OFF):

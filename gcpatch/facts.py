@@ -96,7 +96,18 @@ def _encoder_states_by_keyword(runner: Any) -> bool:
         source = inspect.getsource(type(runner).forward)
     except (OSError, TypeError):
         return False
-    return re.search(r"\bencoder_hidden_states\s*=\s*encoder_hidden_states\b", source) is not None
+    for loop in re.finditer(r"for\s+(?:\w+\s*,\s*)?(\w+)\s+in\s+(?:enumerate\()?self\.\w+", source):
+        call = re.search(rf"\b{loop.group(1)}\(", source[loop.end():])
+        if call is None:
+            continue
+        start = loop.end() + call.end()
+        depth, end = 1, start
+        while depth and end < len(source):
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        if re.search(r"\bencoder_hidden_states\s*=", source[start:end]):
+            return True
+    return False
 
 
 def _upstream_trainable(model: Any, path: str, owners: set[int], skip: set[int]) -> int:
@@ -114,6 +125,22 @@ def _upstream_trainable(model: Any, path: str, owners: set[int], skip: set[int])
         if module is None:
             break
     return total
+
+
+def checkpoint_function() -> str:
+    """The checkpoint function transformers' enable will hand the layers: torch's, or one a tool
+    put in its place (Unsloth, Axolotl's offload modes and other offloaders replace
+    `transformers.modeling_utils.checkpoint`; many of them only work reentrant). Empty: torch's."""
+    module = sys.modules.get("transformers.modeling_utils")
+    func = getattr(module, "checkpoint", None)
+    for _ in range(8):  # gcpatch's own wrapper, functools.wraps chains
+        if getattr(func, "__module__", None) == "torch.utils.checkpoint" or func is None:
+            return ""
+        inner = getattr(func, "__wrapped__", None)
+        if inner is None:
+            break
+        func = inner
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
 
 
 def _numel(param: Any) -> int:
@@ -191,6 +218,7 @@ def gather(
         use_cache=getattr(config, "use_cache", None),
         use_cache_configs={where: getattr(cfg, "use_cache", None) for where, cfg in use_cache_configs(model).items()},
         stacks=stack_facts(model),
+        checkpoint_function=checkpoint_function(),
         peft=bool(getattr(model, "_hf_peft_config_loaded", False)) or _has_peft_modules(model),
         kbit=bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)),
         zero3=_zero3(model),

@@ -106,6 +106,8 @@ class Facts:
     use_cache_configs: Mapping[str, Any] = field(default_factory=dict)
     # per checkpointed stack: blocks, whether they train, whether anything upstream trains (R1)
     stacks: tuple[Mapping[str, Any], ...] = ()
+    # a checkpoint function other than torch's that the layers will call ("": torch's)
+    checkpoint_function: str = ""
 
     @property
     def partially_frozen(self) -> bool:

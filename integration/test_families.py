@@ -116,7 +116,8 @@ def test_stacks_are_facts_and_r1_names_the_starved_stack(script_runs):
     assert clip[0]["applied"]["checkpointed_stacks"] == {
         "text_model.encoder.layers": "2 of 2 CLIPEncoderLayer", "vision_model.encoder.layers": "2 of 2 CLIPEncoderLayer"}
     r1 = [r for r in enables if r["decision"]["winners"]["use_reentrant"]["rule"] == "R1"]
-    assert r1 and all("nothing upstream of them" in r["decision"]["winners"]["use_reentrant"]["reason"] for r in r1)
+    reasons = [r["decision"]["winners"]["use_reentrant"]["reason"] for r in r1]
+    assert r1 and all("nothing upstream of them" in why or "as a keyword argument" in why for why in reasons), reasons
 
 
 def test_whisper_and_clip_unfrozen_keep_reentrant_in_strict_mode(script_runs):
@@ -136,6 +137,8 @@ def test_whisper_and_clip_unfrozen_keep_reentrant_in_strict_mode(script_runs):
         assert "setup_error" not in fams[name], fams[name]
         for key, case in grad_cases(fams[name]).items():
             assert case["use_reentrant"] is True and case["wrong"] == 0 and case["error"] is None, (name, key, case)
+    if not V5:
+        return
     whisper = [r for r in run.records() if r.get("facts", {}).get("model_class") == "WhisperForConditionalGeneration"]
     assert whisper and whisper[0]["facts"]["partially_frozen"] is True  # embed_positions: frozen by the model
     encoder = next(s for s in whisper[0]["facts"]["stacks"] if s["stack"] == "model.encoder.layers")

@@ -101,6 +101,11 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     if facts.stage == "enable":
         starved = _stacks_without_input_grads(facts)
         if starved and not facts.zero3:
+            if facts.checkpoint_function:
+                starved += (f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may run "
+                            "reentrant whatever it is asked (offloading checkpointers): gcpatch also puts the "
+                            "input-grads hook (R2) in place; without it, those blocks' weights get no gradients "
+                            "(by hand: enable_input_require_grads)")
             votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", starved, avoids=WRONG_GRADIENTS))
         if facts.trainable_in_checkpointed_layers:
             votes.append(Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R2",
