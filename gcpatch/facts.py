@@ -41,7 +41,14 @@ def checkpoint_stacks(model: Any) -> list[tuple[str, Any, list[Any]]]:
     for layer in checkpoint_layers(model):
         name = names.get(id(layer), "")
         if not is_checkpoint_layer(layer):
-            stacks[name] = (name or type(layer).__name__, layer, [layer])
+            # the flagged module runs the loop itself: its blocks are its largest module list
+            lists = [(n, c) for n, c in layer.named_children() if type(c).__name__ in _CONTAINERS and len(c)]
+            if lists:
+                list_name, blocks = max(lists, key=lambda item: len(item[1]))
+                key = f"{name}.{list_name}" if name else list_name
+                stacks[key] = (key, layer, list(blocks))
+            else:
+                stacks[name] = (name or type(layer).__name__, layer, [layer])
             continue
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         holder = modules.get(parent, model)
