@@ -12,7 +12,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gcpatch.facts import checkpoint_layers, is_checkpoint_layer
+from gcpatch.facts import checkpoint_function, checkpoint_layers, checkpoint_stacks, is_checkpoint_layer, use_cache_configs
 from gcpatch.schema import INPUT_GRADS_HOOK, USE_CACHE_OFF, USE_REENTRANT, Decision
 
 
@@ -36,9 +36,10 @@ class ModelState:
     context: dict[str, Any] = field(default_factory=dict)  # wrap-time facts (DDP)
     trainer: str = ""
     input_hooks: list[Any] = field(default_factory=list)
-    first_forward: Any = None
+    first_forward: list[Any] = field(default_factory=list)  # R5's one-shot pre-hooks, one per stack runner
     eval_fixed: list[tuple[Any, Any]] = field(default_factory=list)
-    mode_sync: Any = None  # R5's pre-hook: layers checkpoint only in grad-enabled forwards
+    mode_sync: list[Any] = field(default_factory=list)  # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
+    cache_off: dict[int, tuple[Any, str, Any]] = field(default_factory=dict)  # R6: config -> (config, where, old)
     last: dict[str, Any] | None = None
 
 
@@ -61,16 +62,55 @@ def apply(model: Any, decision: Decision, on_first_forward: Callable[[Any], None
     state = state_of(model)
     applied: dict[str, Any] = {"use_reentrant": decision.values.get(USE_REENTRANT)}
     _remove_input_hooks(state)
-    if decision.values.get(USE_REENTRANT) and decision.values.get(INPUT_GRADS_HOOK):
+    # Under a custom checkpoint function (an offloader that may run reentrant whatever it is
+    # asked) the hook is put in place either way: harmless under non-reentrant, and what keeps a
+    # reentrant-only function's layers getting gradients.
+    if decision.values.get(INPUT_GRADS_HOOK) and (decision.values.get(USE_REENTRANT) or checkpoint_function()):
         _install_input_hooks(model, state)
         applied[INPUT_GRADS_HOOK] = True
-    config = getattr(model, "config", None)
-    if decision.values.get(USE_CACHE_OFF) and config is not None:
-        applied[USE_CACHE_OFF] = "use_cache True -> False" if config.use_cache else "use_cache already False"
-        config.use_cache = False
-    if checkpoint_layers(model):
+    if decision.values.get(USE_CACHE_OFF):
+        per_config = _use_cache_off(model, state)
+        if per_config:
+            applied[USE_CACHE_OFF] = per_config.get("config") or "; ".join(
+                f"{where}: {change}" for where, change in per_config.items())
+            if set(per_config) != {"config"}:
+                applied["use_cache_per_config"] = per_config
+    stacks = checkpoint_stacks(model)
+    if stacks:
+        applied["checkpointed_stacks"] = {
+            name: f"{sum(1 for m in layers if getattr(m, 'gradient_checkpointing', False))} of {len(layers)} "
+                  f"{type(layers[0]).__name__}" for name, _, layers in stacks}
         _arm_first_forward(model, state, on_first_forward)
     return applied
+
+
+def _use_cache_off(model: Any, state: ModelState) -> dict[str, str]:
+    """R6 on every config transformers reads `use_cache` from (the top config, `text_config` and
+    other sub-configs, a decoder stack's own copy): one left on makes that part build a KV cache
+    the checkpointed layers then drop. What was switched off is remembered for the disable."""
+    changes: dict[str, str] = {}
+    for where, config in use_cache_configs(model).items():
+        value = getattr(config, "use_cache", None)
+        if value is None:
+            continue
+        if value:
+            state.cache_off.setdefault(id(config), (config, where, value))
+            config.use_cache = False
+            changes[where] = "use_cache True -> False"
+        else:
+            changes[where] = "use_cache already False"
+    return changes
+
+
+def _restore_use_cache(state: ModelState) -> dict[str, str]:
+    """Give back what R6 switched off: the user's disable leaves the configs as they were."""
+    restored = {}
+    for config, where, old in state.cache_off.values():
+        if getattr(config, "use_cache", None) is False:
+            config.use_cache = old
+            restored[where] = f"use_cache False -> {old}"
+    state.cache_off.clear()
+    return restored
 
 
 def reset(model: Any) -> None:
@@ -84,21 +124,27 @@ def reset(model: Any) -> None:
         if isinstance(layer._gradient_checkpointing_func, _ModePreservingCheckpoint):
             layer._gradient_checkpointing_func = func
     state.eval_fixed.clear()
-    if state.mode_sync is not None:
-        state.mode_sync.remove()
-        state.mode_sync = None
-    if state.first_forward is not None:
-        state.first_forward.remove()
-        state.first_forward = None
+    _remove_handles(state.mode_sync)
+    _remove_handles(state.first_forward)
 
 
-def remove_all(model: Any) -> None:
-    """The user disabled checkpointing: take back everything, and re-decide nothing later."""
+def _remove_handles(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def remove_all(model: Any) -> dict[str, str]:
+    """The user disabled checkpointing: take back everything gcpatch changed for the enable
+    (hooks, the eval-mode fix, `use_cache`), and re-decide nothing later. Returns the configs
+    whose `use_cache` was given back."""
     reset(model)
     state = _states.get(model)
-    if state is not None:
-        _remove_input_hooks(state)
-        state.replay = None
+    if state is None:
+        return {}
+    _remove_input_hooks(state)
+    state.replay = None
+    return _restore_use_cache(state)
 
 
 def fix_eval_mode(model: Any) -> int:
@@ -122,14 +168,35 @@ def fix_eval_mode(model: Any) -> int:
         layer._gradient_checkpointing_func = _ModePreservingCheckpoint(func, layer)
         layer.training = True
         fixed += 1
-    if fixed and state.mode_sync is None:
+    if fixed and not state.mode_sync:
         layers = [weakref.ref(layer) for layer, _ in state.eval_fixed]
-        state.mode_sync = model.register_forward_pre_hook(lambda module, args: _sync_modes(layers))
+        for runner in _runners(model):
+            state.mode_sync.append(runner.register_forward_pre_hook(
+                lambda module, args, kwargs: _sync_modes(layers, kwargs), with_kwargs=True))
     return fixed
 
 
-def _sync_modes(layers: list[weakref.ref]) -> None:
-    grad = _grad_enabled()
+def _runners(model: Any) -> list[Any]:
+    """The modules whose forward runs the loop over the checkpointed blocks (one per stack). R5's
+    hooks sit there, not on the model: PEFT tuners (`self.model.forward(...)` in peft <= 0.13),
+    ColossalAI's boosted wrappers and a user calling `model.forward` bypass the model's own
+    hooks, but every path into the blocks goes through the loop that calls them."""
+    runners: list[Any] = []
+    for _, owner, _ in checkpoint_stacks(model):
+        if all(owner is not r for r in runners):
+            runners.append(owner)
+    return runners or [model]
+
+
+def _asks_for_cache(kwargs: dict[str, Any]) -> bool:
+    # A forward that asks for a KV cache (use_cache=True, a cache to extend): checkpointed layers
+    # would drop it (GradientCheckpointingLayer sets use_cache=False), where the user's eval-mode
+    # layers keep it. Such a forward keeps the user's mode: never an empty cache for a full one.
+    return kwargs.get("use_cache") is True or kwargs.get("past_key_values") is not None
+
+
+def _sync_modes(layers: list[weakref.ref], kwargs: dict[str, Any]) -> None:
+    grad = _grad_enabled() and not _asks_for_cache(kwargs)
     for ref in layers:
         layer = ref()
         if layer is not None:
@@ -193,23 +260,23 @@ def _user_mode(layer: Any) -> bool:
 
 
 def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], None]) -> None:
-    """A one-shot pre-hook: R5 is decided at the first forward that builds a graph, then the hook
-    is gone (no per-step cost after the first step)."""
-    if state.first_forward is not None:
+    """One-shot pre-hooks on the modules that run the checkpointed blocks (`_runners`): R5 is
+    decided at the first forward that builds a graph, whichever path reaches the blocks, then the
+    hooks are gone (no per-step cost after the first step)."""
+    if state.first_forward:
         return
     model_ref = weakref.ref(model)
 
-    def pre_hook(module: Any, args: Any) -> None:
-        if not _grad_enabled():
+    def pre_hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if not _grad_enabled() or _asks_for_cache(kwargs):
             return
-        if state.first_forward is not None:
-            state.first_forward.remove()
-            state.first_forward = None
+        _remove_handles(state.first_forward)
         target = model_ref()
         if target is not None:
             callback(target)
 
-    state.first_forward = model.register_forward_pre_hook(pre_hook)
+    for runner in _runners(model):
+        state.first_forward.append(runner.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
 
 def _install_input_hooks(model: Any, state: ModelState) -> None:

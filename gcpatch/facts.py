@@ -1,7 +1,7 @@
 """Gathering the facts of one decision from the model and the launcher's environment.
 
 Only what every rank sees the same: parameter layout, modes, config, versions, WORLD_SIZE.
-Nothing rank-local (RULES.md §3: a rank-dependent decision deadlocks DDP).
+Nothing rank-local: a decision that differs between ranks deadlocks DDP.
 """
 from __future__ import annotations
 
@@ -27,6 +27,161 @@ def is_checkpoint_layer(module: Any) -> bool:
     return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
 
 
+_CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
+
+
+def checkpoint_stacks(model: Any) -> list[tuple[str, Any, list[Any]]]:
+    """The stacks of checkpointed blocks, each as (name, the module whose forward runs the loop
+    over them, the blocks). A multi-stack model has several: encoder and decoder, two towers, a
+    vision tower and a language model. Blocks are grouped by the container that holds them; on
+    families that predate GradientCheckpointingLayer the flagged module runs its own loop."""
+    names = {id(m): n for n, m in model.named_modules()}
+    modules = dict(model.named_modules())
+    stacks: dict[str, tuple[str, Any, list[Any]]] = {}
+    for layer in checkpoint_layers(model):
+        name = names.get(id(layer), "")
+        if not is_checkpoint_layer(layer):
+            # the flagged module runs the loop itself: its blocks are its largest module list
+            lists = [(n, c) for n, c in layer.named_children() if type(c).__name__ in _CONTAINERS and len(c)]
+            if lists:
+                list_name, blocks = max(lists, key=lambda item: len(item[1]))
+                key = f"{name}.{list_name}" if name else list_name
+                stacks[key] = (key, layer, list(blocks))
+            else:
+                stacks[name] = (name or type(layer).__name__, layer, [layer])
+            continue
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        holder = modules.get(parent, model)
+        if type(holder).__name__ in _CONTAINERS:
+            owner = modules.get(parent.rsplit(".", 1)[0] if "." in parent else "", model)
+        else:
+            owner = holder
+        container = parent
+        entry = stacks.setdefault(container, (container, owner, []))
+        entry[2].append(layer)
+    return list(stacks.values())
+
+
+def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
+    """R1's facts per stack: whether its blocks train, and whether anything upstream of it trains
+    (which makes the stack's first input require grad). Upstream is what the model registers
+    before the stack on the way from the root down to it, leaving out sibling branches that hold
+    a stack of their own (a parallel tower, or a vision tower that only feeds image batches):
+    counting those could keep reentrant where a text-only batch loses gradients, so they are not."""
+    names = {id(m): n for n, m in model.named_modules()}
+    stacks = checkpoint_stacks(model)
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    owners = {id(owner) for _, owner, _ in stacks} | {id(layer) for _, _, layers in stacks for layer in layers}
+    facts = []
+    for name, owner, layers in stacks:
+        layer_ids = {id(p) for layer in layers for p in layer.parameters()}
+        trainable_inside = sum(_numel(p) for layer in layers for p in layer.parameters() if p.requires_grad)
+        upstream = _upstream_trainable(model, names.get(id(layers[0]), ""), owners, layer_ids)
+        facts.append({
+            "stack": name,
+            "runner": type(owner).__name__,
+            "blocks": len(layers),
+            "block_class": type(layers[0]).__name__,
+            "trainable_in_blocks": trainable_inside,
+            "trainable_upstream": upstream,
+            "inputs_can_require_grad": upstream > 0,
+            "blocks_in_eval_mode": sum(1 for layer in layers if not layer.training),
+            "encoder_states_by_keyword": encoder_decoder and _encoder_states_by_keyword(owner),
+        })
+    return tuple(facts)
+
+
+def _encoder_states_by_keyword(runner: Any) -> bool:
+    """Whether this decoder stack hands the encoder's output to its blocks as a keyword argument.
+    A reentrant checkpoint sees only positional tensors: the encoder's graph is then run twice in
+    backward ("Trying to backward through the graph a second time") or not at all (transformers
+    4.57 WhisperDecoder; GradientCheckpointingLayer's docstring asks for positional inputs)."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(type(runner).forward)
+    except (OSError, TypeError):
+        return False
+    for loop in re.finditer(r"for\s+(?:\w+\s*,\s*)?(\w+)\s+in\s+(?:enumerate\()?self\.\w+", source):
+        call = re.search(rf"\b{loop.group(1)}\(", source[loop.end():])
+        if call is None:
+            continue
+        start = loop.end() + call.end()
+        depth, end = 1, start
+        while depth and end < len(source):
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        if re.search(r"\bencoder_hidden_states\s*=", source[start:end]):
+            return True
+    return False
+
+
+def _upstream_trainable(model: Any, path: str, owners: set[int], skip: set[int]) -> int:
+    """Trainable parameter sizes registered before `path` at every level from the root to it."""
+    total = 0
+    module = model
+    for part in path.split(".") if path else ():
+        for child_name, child in module.named_children():
+            if child_name == part:
+                break
+            if any(id(m) in owners for m in child.modules()):
+                continue  # a branch with its own checkpointed stack: not counted as upstream
+            total += sum(_numel(p) for p in child.parameters() if p.requires_grad and id(p) not in skip)
+        module = getattr(module, part, None) if not part.isdigit() else module[int(part)]
+        if module is None:
+            break
+    return total
+
+
+def checkpoint_function() -> str:
+    """The checkpoint function transformers' enable will hand the layers: torch's, or one a tool
+    put in its place (Unsloth, Axolotl's offload modes and other offloaders replace
+    `transformers.modeling_utils.checkpoint`; many of them only work reentrant). Empty: torch's."""
+    module = sys.modules.get("transformers.modeling_utils")
+    func = getattr(module, "checkpoint", None)
+    for _ in range(8):  # gcpatch's own wrapper, functools.wraps chains
+        if getattr(func, "__module__", None) == "torch.utils.checkpoint" or func is None:
+            return ""
+        inner = getattr(func, "__wrapped__", None)
+        if inner is None:
+            break
+        func = inner
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
+
+
+def _numel(param: Any) -> int:
+    """ZeRO-3 partitions parameters in place (numel() is 0 after deepspeed.zero.Init): ds_numel
+    holds the real size."""
+    return int(getattr(param, "ds_numel", 0) or param.numel())
+
+
+def use_cache_configs(model: Any) -> dict[str, Any]:
+    """Every config reachable from the model that has `use_cache`, by where it sits: the top
+    config, its nested sub-configs (`text_config`, towers) and the copies submodules keep (T5's
+    decoder stack). Each is a separate switch transformers reads; R6 must reach them all."""
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+    todo: list[tuple[str, Any]] = []
+    for name, module in model.named_modules():
+        config = module.__dict__.get("config")
+        if config is not None and hasattr(config, "to_dict"):
+            todo.append((f"{name}.config" if name else "config", config))
+    while todo:
+        where, config = todo.pop(0)
+        nested = []
+        if id(config) in seen:
+            continue
+        seen.add(id(config))
+        if "use_cache" in vars(config) or hasattr(type(config), "use_cache"):
+            found[where] = config
+        for key, value in vars(config).items():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                nested.append((f"{where}.{key}", value))
+        todo[:0] = nested  # a sub-config is named from its parent config before a module's copy
+    return found
+
+
 def gather(
     model: Any,
     *,
@@ -44,9 +199,9 @@ def gather(
     trainable = frozen = 0
     for param in model.parameters():
         if param.requires_grad:
-            trainable += param.numel()
+            trainable += _numel(param)
         else:
-            frozen += param.numel()
+            frozen += _numel(param)
     layers = checkpoint_layers(model)
     asked = dict(asked_kwargs or {})
     config = getattr(model, "config", None)
@@ -68,6 +223,9 @@ def gather(
         layers_in_eval_mode=sum(1 for m in layers if not m.training),
         checkpoint_layer_api=bool(layers) and is_checkpoint_layer(layers[0]),
         use_cache=getattr(config, "use_cache", None),
+        use_cache_configs={where: getattr(cfg, "use_cache", None) for where, cfg in use_cache_configs(model).items()},
+        stacks=stack_facts(model),
+        checkpoint_function=checkpoint_function(),
         peft=bool(getattr(model, "_hf_peft_config_loaded", False)) or _has_peft_modules(model),
         kbit=bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)),
         zero3=_zero3(model),

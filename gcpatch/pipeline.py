@@ -98,10 +98,12 @@ def run_enable(call: EnableCall) -> Any:
     return result
 
 
-def run_disable(model: Any) -> None:
-    """The user switched checkpointing off: take back what gcpatch added for the enable."""
-    apply.remove_all(model)
+def run_disable(model: Any) -> dict[str, str]:
+    """The user switched checkpointing off: take back what gcpatch added for the enable. Returns
+    the configs whose `use_cache` was given back (R6)."""
+    restored = apply.remove_all(model)
     checkpoint_call.uncover(model)
+    return restored
 
 
 def run_config(facts: Any, write: Callable[[Any], dict[str, Any]]) -> Any:

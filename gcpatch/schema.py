@@ -102,6 +102,12 @@ class Facts:
     grad_enabled: bool = True
     find_unused_parameters: bool = False  # DDP(find_unused_parameters=True) wraps this model
     trainer: str = ""  # "module.Class" of the Trainer running this call, if any
+    # every config with use_cache, by where it sits (config, config.text_config, decoder.config): R6
+    use_cache_configs: Mapping[str, Any] = field(default_factory=dict)
+    # per checkpointed stack: blocks, whether they train, whether anything upstream trains (R1)
+    stacks: tuple[Mapping[str, Any], ...] = ()
+    # a checkpoint function other than torch's that the layers will call ("": torch's)
+    checkpoint_function: str = ""
 
     @property
     def partially_frozen(self) -> bool:
@@ -112,6 +118,8 @@ class Facts:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["asked_kwargs"] = {k: _plain(v) for k, v in self.asked_kwargs.items()}
         data["versions"] = dict(self.versions)
+        data["use_cache_configs"] = dict(self.use_cache_configs)
+        data["stacks"] = [dict(stack) for stack in self.stacks]
         data["partially_frozen"] = self.partially_frozen
         return data
 

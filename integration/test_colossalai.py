@@ -42,13 +42,19 @@ def cai_runs(request, tmp_path_factory):
                 k = key(plugin, train, gcpatch)
                 args = [str(tiny), "--plugin", plugin] + (["--train"] if train else [])
                 pool.submit(k, lambda a=args, g=gcpatch, d=base / k: run_script_args(SCRIPT, a, d, g))
+    # the order where the checkpointed model is wrapped after the enable (ddp only): eval and train
+    for train in TRAIN:
+        for gcpatch in (True, False):
+            k = key("ddp", train, gcpatch) + "-enable-first"
+            args = [str(tiny), "--plugin", "ddp", "--enable-first"] + (["--train"] if train else [])
+            pool.submit(k, lambda a=args, g=gcpatch, d=base / k: run_script_args(SCRIPT, a, d, g))
     yield pool
     report(request, "colossalai", pool)
     pool.close()
 
 
-def get(pool: Pool, plugin: str, train: bool, gcpatch: bool):
-    run = pool.get(key(plugin, train, gcpatch))
+def get(pool: Pool, plugin: str, train: bool, gcpatch: bool, suffix: str = ""):
+    run = pool.get(key(plugin, train, gcpatch) + suffix)
     assert run.returncode == 0 and run.result, f"script failed or printed no single RESULT line\n{tail(run)}"
     if "plugin_unavailable" in run.result:
         pytest.skip(f"{plugin}: {run.result['plugin_unavailable']}")
@@ -97,3 +103,16 @@ def test_doctor_lists_the_colossalai_plugin():
     plugin = [line for line in lines if line.strip().startswith("colossalai:")]
     assert plugin and "active colossalai 0.5" in plugin[0] and "(supports >=0.4,<0.6)" in plugin[0], proc.stdout
     assert any("colossalai.booster.booster.Booster.boost: live" in line for line in lines), proc.stdout
+
+
+@pytest.mark.parametrize("suffix", ["", "-enable-first"], ids=["enable-after-lora", "enable-before-lora"])
+def test_eval_mode_lora_saves_what_train_mode_saves(cai_runs, suffix):
+    """R5 through booster.enable_lora: peft 0.13's tuner calls the base model's `forward` directly,
+    so an eval-mode fix armed on the model's own hooks never fires when checkpointing was enabled
+    before the LoRA wrap; armed where the decoder layers run, it does, in either order."""
+    eval_run = get(cai_runs, "ddp", False, True, suffix).result
+    train_run = get(cai_runs, "ddp", True, True, suffix).result
+    assert eval_run["error"] is None and eval_run["missing_grads"] == 0 and eval_run["wrong_grads"] == 0, eval_run
+    assert abs(eval_run["saved_bytes"] / train_run["saved_bytes"] - 1) <= 0.1, (eval_run, train_run)
+    plain = get(cai_runs, "ddp", False, False, suffix).result
+    assert plain["saved_ratio"] >= 0.95, plain  # plainly the eval-mode model checkpoints nothing

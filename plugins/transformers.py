@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import logging
 import sys
 from typing import Any
 
@@ -98,24 +99,53 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
         votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", "the config freezes part of the model: reentrant "
                           "would drop the gradients of layers whose inputs need none", avoids=WRONG_GRADIENTS))
     if facts.stage == "enable":
-        if facts.partially_frozen and not facts.zero3:
-            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1",
-                              f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters: "
-                              "reentrant would drop the gradients of layers whose inputs need none",
-                              avoids=WRONG_GRADIENTS))
+        starved = _stacks_without_input_grads(facts)
+        if starved and not facts.zero3:
+            if facts.checkpoint_function:
+                starved += (f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may run "
+                            "reentrant whatever it is asked (offloading checkpointers): gcpatch also puts the "
+                            "input-grads hook (R2) in place; without it, those blocks' weights get no gradients "
+                            "(by hand: enable_input_require_grads)")
+            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", starved, avoids=WRONG_GRADIENTS))
         if facts.trainable_in_checkpointed_layers:
             votes.append(Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R2",
                               "checkpointed layers train: under reentrant their first input must require grad "
                               "(frozen embeddings, inputs_embeds; X2)", avoids=WRONG_GRADIENTS))
-        if facts.use_cache is not None:
+        cached = [where for where, value in facts.use_cache_configs.items() if value is not None]
+        if facts.use_cache is not None or cached:
             votes.append(Vote(USE_CACHE_OFF, True, REQUIRED, "R6",
-                              "the KV cache is useless under checkpointing and warns every step"))
+                              "the KV cache is useless under checkpointing and warns every step"
+                              + (f" (configs: {', '.join(cached)})" if len(cached) > 1 else "")))
     elif facts.stage == "first_forward" and facts.grad_enabled and facts.layers_in_eval_mode:
         votes.append(Vote(EVAL_MODE_FIX, True, REQUIRED, "R5",
                           f"{facts.layers_in_eval_mode} of {facts.checkpointed_layers} checkpointed layers are in "
                           "eval mode at the first training forward: checkpointing would silently do nothing",
                           avoids=NO_MEMORY_SAVED))
     return votes
+
+
+def _stacks_without_input_grads(facts: Facts) -> str:
+    """R1's condition, per checkpointed stack: its blocks train but nothing upstream of it does,
+    so under reentrant its first input needs no grad and the blocks get none (transformers#21381).
+    Parameters frozen elsewhere (Whisper's fixed position embeddings next to a trainable conv
+    stem, a frozen head) do not starve a stack. Without stack facts, any freezing counts."""
+    if not facts.stacks:
+        if not facts.partially_frozen:
+            return ""
+        return (f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters: "
+                "reentrant would drop the gradients of layers whose inputs need none")
+    keyword = [s for s in facts.stacks if s.get("encoder_states_by_keyword")]
+    if keyword and facts.trainable_params:
+        names = ", ".join(s["stack"] for s in keyword)
+        return (f"{names} gets the encoder's output as a keyword argument, which a reentrant checkpoint does not "
+                "see: the encoder's gradients through it are lost or its graph is run twice")
+    starved = [s for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"]]
+    if not starved:
+        return ""
+    names = ", ".join(f"{s['stack']} ({s['blocks']} blocks)" for s in starved)
+    return (f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters; the blocks of "
+            f"{names} train but nothing upstream of them does: reentrant would drop the gradients of layers "
+            "whose inputs need none")
 
 
 def _enable_v4(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
@@ -193,7 +223,13 @@ def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:
 
 
 def _disable(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
-    run_disable(model)
+    """The user's off is final: gcpatch takes back what it changed for the enable (hooks, the
+    eval-mode fix, R6's use_cache) so the model is what it would be without gcpatch."""
+    restored = run_disable(model)
+    if restored:
+        logging.getLogger("gcpatch").info(
+            "gcpatch: %s gradient checkpointing disable: %s", type(model).__name__,
+            "; ".join(f"{change} on {where}" for where, change in restored.items()))
     return wrapped(*args, **kwargs)
 
 

@@ -75,15 +75,18 @@ def test_enabling_twice_leaves_one_hook_and_the_same_decision(tmp_path):
         print("RESULT " + json.dumps({
             "embedding_hooks": sum(h.__name__ == "_output_requires_grad" for h in emb._forward_hooks.values()),
             "model_pre_hooks": len(m._forward_pre_hooks),
+            "runner_pre_hooks": len(m.model._forward_pre_hooks),
             "same": d[0]["decision"]["values"] == d[1]["decision"]["values"] and d[0]["rules"] == d[1]["rules"],
             "applied": d[1]["applied"],
         }))
     """.replace("\n        ", "\n"), tmp_path, GCPATCH_LOG="off"))
-    # gcpatch's own: one embedding-output hook (R2); on the model one inputs_embeds hook and one
-    # first-forward hook (R5). (transformers 5.x adds a hook of its own on every enable and never
-    # removes the previous one: that upstream leak is not counted here.)
+    # gcpatch's own: one embedding-output hook (R2); on the model one inputs_embeds hook (R2); on
+    # the decoder stack that runs the layers (m.model, also the base model) one inputs_embeds hook
+    # and one first-forward hook (R5). (transformers 5.x adds a hook of its own on every enable and
+    # never removes the previous one: that upstream leak is not counted here.)
     assert result["embedding_hooks"] == 1
-    assert result["model_pre_hooks"] == 2
+    assert result["model_pre_hooks"] == 1
+    assert result["runner_pre_hooks"] == 2
     assert result["same"] is True
     assert result["applied"]["use_reentrant"] is True and result["applied"]["input_grads_hook"] is True
 
@@ -93,12 +96,13 @@ def test_first_forward_hook_is_gone_after_the_first_training_step(tmp_path):
 import json, torch
 m = tiny(); m.train()
 m.gradient_checkpointing_enable()
-before = len(m._forward_pre_hooks)
+hooks = lambda: len(m._forward_pre_hooks) + len(m.model._forward_pre_hooks)  # R5 sits on the stack's runner
+before = hooks()
 ids = torch.randint(0, 64, (1, 8))
 with torch.no_grad():
     m(input_ids=ids)
-waiting = len(m._forward_pre_hooks)
+waiting = hooks()
 m(input_ids=ids, labels=ids).loss.backward()
-print("RESULT " + json.dumps([before, waiting, len(m._forward_pre_hooks)]))
+print("RESULT " + json.dumps([before, waiting, hooks()]))
 """, tmp_path, GCPATCH="1"))
     assert result == [1, 1, 0]  # a no_grad forward does not count as the first training step

@@ -22,8 +22,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("model")
 parser.add_argument("--plugin", choices=["ddp", "hybrid"], default="ddp")
 parser.add_argument("--train", action="store_true", help="call model.train() before boosting")
+parser.add_argument("--enable-first", action="store_true",
+                    help="gradient_checkpointing_enable() before booster.enable_lora (peft 0.13's tuner then calls "
+                         "the base model's forward directly, bypassing its hooks)")
 args = parser.parse_args()
-base = {"plugin": args.plugin, "train_called": args.train}
+base = {"plugin": args.plugin, "train_called": args.train, "enable_first": args.enable_first}
 
 try:
     import colossalai
@@ -89,9 +92,12 @@ booster = Booster(plugin=plugin)
 model = load()
 if args.train:
     model.train()
+if args.enable_first:
+    model.gradient_checkpointing_enable()
 torch.manual_seed(1)
 model = booster.enable_lora(model, lora_config=LoraConfig(**LORA))
-model.gradient_checkpointing_enable()
+if not args.enable_first:
+    model.gradient_checkpointing_enable()
 optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
 user_model = model
 model, optimizer, *_ = booster.boost(model, optimizer)

@@ -1,0 +1,33 @@
+"""A checkpoint function other than torch's (an offloader that replaced
+`transformers.modeling_utils.checkpoint`) is a fact of the decision, and where the set-up needs
+what it may not honour, the record says what would break and what to do
+(scripts/custom_checkpointer.py)."""
+from __future__ import annotations
+
+from _asserts import assert_installed_gcpatch_ran, enable_records
+from _run import V5, Spec
+
+SCRIPT = "custom_checkpointer.py"
+RUNS = [Spec(SCRIPT)]
+
+
+def test_custom_checkpoint_function_is_a_fact_and_r1_says_what_breaks(script_runs):
+    run = script_runs.get(SCRIPT, gcpatch=True)
+    assert_installed_gcpatch_ran(run)
+    rec = enable_records(run)[-1]
+    assert rec["facts"]["checkpoint_function"] == "__main__.offload_checkpoint", rec["facts"]
+    reason = rec["decision"]["winners"]["use_reentrant"]["reason"]
+    assert rec["decision"]["winners"]["use_reentrant"]["rule"] == "R1"
+    assert "__main__.offload_checkpoint" in reason and "enable_input_require_grads" in reason, reason
+    # gcpatch asked the function for non-reentrant (R1) and, the function not being torch's, put the
+    # input-grads hook in place: the reentrant-only function's layers get exact gradients
+    assert run.result["asked_custom"] == ["False"], run.result
+    assert rec["applied"].get("input_grads_hook") is True, rec["applied"]
+    assert run.result["wrong"] == 0, run.result
+
+
+def test_plain_custom_checkpoint_function_loses_gradients_on_4x(script_runs):
+    run = script_runs.get(SCRIPT, gcpatch=False)
+    assert run.result["asked_custom"] == ["True"], run.result
+    if not V5:  # 5.x's own input-grads hook covers input_ids models (X2); 4.57's covers adapters only
+        assert run.result["wrong"] > 0, run.result

@@ -1,0 +1,37 @@
+"""The user's "off" is final and leaves no trace (scripts/disable_after_enable.py): enable then
+disable (train mode; eval mode after R5 took effect; reentrant asked on a frozen embedding, so R1
+and R2 acted), peft's `prepare_model_for_kbit_training(use_gradient_checkpointing=False)` and
+`Trainer(gradient_checkpointing=False)` leave the model as the same script leaves it without
+gcpatch: the same config (R6's `use_cache` given back on every config it switched off), no hook,
+the same training flags, and the same saved activation bytes and gradients in the next step.
+"""
+from __future__ import annotations
+
+import pytest
+
+from _asserts import assert_installed_gcpatch_ran, assert_plain
+from _run import Spec
+
+SCRIPT = "disable_after_enable.py"
+RUNS = [Spec(SCRIPT)]
+SCENARIOS = ("enable_disable", "enable_disable_eval", "reentrant_disable", "kbit_false", "trainer_false")
+FIGURES = ("saved_bytes", "loss", "config", "use_cache", "checkpointing", "training_flags", "hooks", "grad_sum")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_off_leaves_the_model_as_without_gcpatch(script_runs, scenario):
+    gc, plain = script_runs.get(SCRIPT, gcpatch=True), script_runs.get(SCRIPT, gcpatch=False)
+    assert_installed_gcpatch_ran(gc)
+    assert_plain(plain)
+    got, want = gc.result["results"][scenario], plain.result["results"][scenario]
+    for figure in FIGURES:
+        assert got[figure] == want[figure], (scenario, figure, got[figure], want[figure])
+    assert got["checkpointing"] in ([False], []), got["checkpointing"]
+    if scenario.endswith("disable") or scenario.endswith("disable_eval"):
+        assert got["use_cache"] is True  # R6 switched it off for the enable; the disable gave it back
+
+
+def test_disable_says_what_it_gave_back(script_runs):
+    run = script_runs.get(SCRIPT, gcpatch=True)
+    lines = [line for line in run.stderr.splitlines() if "disable" in line and line.startswith("gcpatch: ")]
+    assert any("use_cache False -> True on config" in line for line in lines), run.stderr[-3000:]

@@ -1,0 +1,45 @@
+"""R5 wherever the forward goes (scripts/eval_mode_paths.py): a model left in eval mode checkpoints
+whichever path reaches its layers, because the eval-mode fix is armed on the module that runs the
+checkpointed blocks, not on the model's own `__call__`. Calling `model.forward(...)` directly, or
+through a wrapper that calls the inner model's `forward` (peft <= 0.13's `BaseTuner.forward`, the
+path of ColossalAI's `booster.enable_lora`), bypasses the model's hooks: an R5 armed there never
+fires and the layers save as much as without checkpointing.
+"""
+from __future__ import annotations
+
+import pytest
+
+from _asserts import assert_installed_gcpatch_ran, assert_plain
+from _run import Spec
+
+SCRIPT = "eval_mode_paths.py"
+RUNS = [Spec(SCRIPT)]
+PATHS = ("call", "forward", "tuner", "peft_first")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_eval_mode_checkpoints_on_every_path(script_runs, path):
+    run = script_runs.get(SCRIPT, gcpatch=True)
+    assert_installed_gcpatch_ran(run)
+    r = run.result["paths"][path]
+    assert 0.9 <= r["ratio_eval_to_train"] <= 1.1, r  # saved bytes, eval vs train mode, within 10%
+    assert r["saved_eval_gc"] < r["saved_eval_nogc"] / 3, r
+    assert r["grads_wrong"] == 0 and r["trainable"] > 0, r
+    assert r["model_training"] is False
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_plain_eval_mode_checkpoints_nothing_on_any_path(script_runs, path):
+    run = script_runs.get(SCRIPT, gcpatch=False)
+    assert_plain(run)
+    r = run.result["paths"][path]
+    assert r["ratio_eval_to_train"] > 3, r
+    assert r["grads_wrong"] == 0
+
+
+def test_r5_is_recorded_once_per_model_on_the_direct_paths(script_runs):
+    run = script_runs.get(SCRIPT, gcpatch=True)
+    first = [r for r in run.records() if r.get("stage") == "first_forward"]
+    # one per eval-mode model with checkpointing (4 paths); the train-mode ones need no fix
+    assert len(first) == len(PATHS), [r.get("model") for r in first]
+    assert all(r["rules"] == ["R5"] and r["applied"]["eval_mode_fix"] == 2 for r in first), first
