@@ -82,19 +82,21 @@ class Report:
     def recompute_counts(self) -> list[int]:
         return sorted({runs["backward"] for runs in self.blocks.values()})
 
-    def problems(self, min_saved: float = LOW_SAVING) -> list[str]:
-        """Everything a user should act on, one sentence each (empty: all is well)."""
+    def problems(self, min_saved: float = LOW_SAVING, full: bool = False) -> list[str]:
+        """Everything a user should act on, one sentence each (empty: all is well); `full`
+        names every tensor (the record), else the first few (the log line)."""
+        limit = None if full else _NAMES_SHOWN
         if self.skipped:
             return [f"not verified: {self.skipped}"]
         out = []
         if self.missing:
             out.append(f"{len(self.missing)} tensor(s) get no gradient with checkpointing but one without it: "
-                       f"{_names(self.missing)}")
+                       f"{_names(self.missing, limit)}")
         if self.extra:
-            out.append(f"{len(self.extra)} tensor(s) get a gradient only with checkpointing: {_names(self.extra)}")
+            out.append(f"{len(self.extra)} tensor(s) get a gradient only with checkpointing: {_names(self.extra, limit)}")
         if self.differ:
             out.append(f"{len(self.differ)} gradient(s) differ from no checkpointing (max abs diff "
-                       f"{self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}): {_names(self.differ)}")
+                       f"{self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}): {_names(self.differ, limit)}")
         if not self.blocks:
             out.append(f"no block was checkpointed in this step ({self.checkpointing_on} module(s) have "
                        "checkpointing on; a model left in eval mode skips it)")
@@ -104,7 +106,7 @@ class Report:
         twice = sorted(name for name, runs in self.blocks.items() if runs["backward"] > 1)
         if twice:
             out.append(f"{len(twice)} block(s) recomputed more than once in one backward (two tools checkpoint "
-                       f"the same blocks?): {_names(twice)}")
+                       f"the same blocks?): {_names(twice, limit)}")
         return out
 
     def line(self) -> str:
@@ -138,7 +140,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(gradients_match=self.gradients_match, saved_fraction=self.saved_fraction,
-                    problems=self.problems())
+                    problems=self.problems(full=True))
         return data
 
 
@@ -175,7 +177,7 @@ def _first_forward(model: Any, args: tuple, kwargs: dict) -> None:
 
 def _report(report: Report, cfg: settings.Settings) -> None:
     line = f"gcpatch: rank {rank()} verify {report.line()}"
-    problems = report.problems()
+    problems = report.problems(full=True)
     log.log(logging.WARNING if problems else logging.INFO, "%s", line)
     record.event({"stage": "verify", "model": report.model, "line": line, "details": problems,
                   "verify": report.to_dict()}, cfg.record_dir)
@@ -470,9 +472,10 @@ def _compare(torch: Any, got: dict[str, Any], ref: dict[str, Any], report: Repor
             report.differ.append(name)
 
 
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:_NAMES_SHOWN])
-    return shown + (f" (+{len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else "")
+def _names(names: list[str], limit: int | None = _NAMES_SHOWN) -> str:
+    if limit is None or len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f" (+{len(names) - limit} more)"
 
 
 def _mb(n: int) -> str:
