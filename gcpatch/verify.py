@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from gcpatch import record, settings
 from gcpatch.errors import GcpatchError
-from gcpatch.facts import rank
+from gcpatch.facts import checkpoint_layers, rank
 
 log = logging.getLogger("gcpatch")
 
@@ -60,7 +60,7 @@ class Report:
     saved_bytes_checkpointed: int = 0
     saved_bytes_plain: int = 0
     blocks: dict[str, dict[str, int]] = field(default_factory=dict)  # block -> {forward, backward} runs
-    checkpointing_on: int = 0  # modules with gradient_checkpointing set
+    checkpointing_on: int = 0  # checkpoint layers with gradient_checkpointing set
     seconds: float = 0.0
     skipped: str = ""
 
@@ -206,7 +206,7 @@ def check(
     report = Report(model=type(model).__name__)
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     report.tensors = len(trainable)
-    report.checkpointing_on = sum(1 for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True)
+    report.checkpointing_on = sum(1 for m in checkpoint_layers(model) if getattr(m, "gradient_checkpointing", False) is True)
     report.skipped = _unsupported(torch, model, trainable, kwargs)
     batch = _batch_size(torch, args, kwargs)
     if not report.skipped and batch is None:
