@@ -128,10 +128,15 @@ class Report:
         memory = (f"activations saved {self.saved_fraction:.0%} ({_mb(self.saved_bytes_plain)} -> "
                   f"{_mb(self.saved_bytes_checkpointed)} on {self.rows} of {self.batch} rows)")
         counts = self.recompute_counts
+        idle = [name for name, runs in self.blocks.items() if runs["backward"] == 0]
         if not self.blocks:
             recompute = "no block checkpointed"
         elif counts == [1]:
             recompute = f"each block recomputed once ({len(self.blocks)} blocks)"
+        elif counts == [0, 1] and self.gradients_match:
+            # a frozen block whose inputs need no gradient is rightly never recomputed
+            recompute = (f"each block recomputed at most once ({len(self.blocks)} blocks; no backward through "
+                         f"{_names(idle)})")
         else:
             recompute = "blocks recomputed " + ", ".join(
                 f"{name} x{runs['backward']}" for name, runs in self.blocks.items())
@@ -146,33 +151,46 @@ class Report:
 
 def arm(model: Any) -> None:
     """Verify `model` at its first grad-enabled forward (once per model; arming again keeps this
-    hook after gcpatch's own first-forward hook, so R5 is applied before verify looks)."""
+    hook after gcpatch's own first-forward hook, so R5 is applied before verify looks). Its base
+    model is armed too: some wrappers enter the model's `forward` without a module call (peft <
+    0.18's `BaseTuner.forward` calls `self.model.forward`), and then only the base model's hooks run."""
     try:
         if model in _done:
             return
-        old = _armed.pop(model, None)
-        if old is not None:
-            old.remove()
-        _armed[model] = model.register_forward_pre_hook(_first_forward, with_kwargs=True)
+        for handle in _armed.pop(model, ()):
+            handle.remove()
+        outer = weakref.ref(model)
+
+        def _first_forward(module: Any, args: tuple, kwargs: dict) -> None:
+            target = outer()
+            if target is not None:
+                _on_first_forward(target, module, args, kwargs)
+
+        handles = [model.register_forward_pre_hook(_first_forward, with_kwargs=True)]
+        base = getattr(model, "base_model", None)
+        if base is not None and base is not model and hasattr(base, "register_forward_pre_hook"):
+            handles.append(base.register_forward_pre_hook(_first_forward, with_kwargs=True))
+        _armed[model] = handles
     except Exception as exc:  # noqa: BLE001 (fail open: verify must never break the host)
         log.error("gcpatch: verify not armed for %s (%s: %s)", type(model).__name__, type(exc).__name__, exc)
 
 
-def _first_forward(model: Any, args: tuple, kwargs: dict) -> None:
+def _on_first_forward(model: Any, module: Any, args: tuple, kwargs: dict) -> None:
     torch = sys.modules["torch"]
     if _checking or not torch.is_grad_enabled():
-        return None
-    handle = _armed.pop(model, None)
-    if handle is not None:
+        return
+    for handle in _armed.pop(model, ()):
         handle.remove()
     _done.add(model)
     cfg = settings.read()
     try:
-        report = check(model, args, kwargs)
+        report = check(module, args, kwargs)
+        if module is not model:
+            report.model = (f"{type(model).__name__} (checked on its base model {type(module).__name__}: "
+                            f"{type(model).__name__}.forward was entered without a module call)")
     except Exception as exc:  # noqa: BLE001 (fail open)
         report = Report(model=type(model).__name__, skipped=f"verify failed: {type(exc).__name__}: {exc}")
     _report(report, cfg)
-    return None
 
 
 def _report(report: Report, cfg: settings.Settings) -> None:

@@ -36,7 +36,9 @@ def test_verify_reports_match_on_setups_gcpatch_fixes(script_runs, setup):
     assert_installed_gcpatch_ran(run)
     lines = verify_lines(run)
     assert len(lines) == 1, run.stderr
-    assert "gradients match" in lines[0] and "each block recomputed once" in lines[0], lines[0]
+    # transformers 4.57 hooks no embedding output here: the frozen layer 0 needs no backward (x0)
+    assert "gradients match" in lines[0] and ("each block recomputed once" in lines[0] or
+                                              "each block recomputed at most once" in lines[0]), lines[0]
     rep = verify_record(run)
     assert rep["gradients_match"] and rep["missing"] == rep["differ"] == rep["extra"] == []
     assert rep["tensors"] == run.result["trainable"]
@@ -44,7 +46,9 @@ def test_verify_reports_match_on_setups_gcpatch_fixes(script_runs, setup):
     # a real saving, measured: GPT-2 92%, Llama 83-85% of the forward's activation bytes on CPU
     assert rep["saved_fraction"] > 0.6, rep
     assert rep["saved_bytes_checkpointed"] < rep["saved_bytes_plain"]
-    assert rep["blocks"] and all(runs == {"forward": 1, "backward": 1} for runs in rep["blocks"].values()), rep
+    runs = list(rep["blocks"].values())
+    assert runs and all(r["forward"] == 1 and r["backward"] <= 1 for r in runs), rep
+    assert runs[-1]["backward"] == 1  # the last block always has a trainable path through it
     assert rep["problems"] == []
     assert_explained(run, "verify", "gradients match")
 
