@@ -93,7 +93,8 @@ class Report:
             out.append(f"{len(self.missing)} tensor(s) get no gradient with checkpointing but one without it: "
                        f"{_names(self.missing, limit)}")
         if self.extra:
-            out.append(f"{len(self.extra)} tensor(s) get a gradient only with checkpointing: {_names(self.extra, limit)}")
+            out.append(f"{len(self.extra)} tensor(s) get a gradient only with checkpointing: "
+                       f"{_names(self.extra, limit)}")
         if self.differ:
             out.append(f"{len(self.differ)} gradient(s) differ from no checkpointing (max abs diff "
                        f"{self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}): {_names(self.differ, limit)}")
@@ -224,7 +225,8 @@ def check(
     report = Report(model=type(model).__name__)
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     report.tensors = len(trainable)
-    report.checkpointing_on = sum(1 for m in checkpoint_layers(model) if getattr(m, "gradient_checkpointing", False) is True)
+    report.checkpointing_on = sum(1 for m in checkpoint_layers(model)
+                                  if getattr(m, "gradient_checkpointing", False) is True)
     report.skipped = _unsupported(torch, model, trainable, kwargs)
     batch = _batch_size(torch, args, kwargs)
     if not report.skipped and batch is None:
@@ -336,7 +338,10 @@ def _swap_checkpoint_functions(model: Any, checkpointing: bool, blocks: dict, ph
         if not callable(func):
             continue
         # R5's mode-preserving wrapper stays: only the checkpoint call inside it is replaced.
-        target, attr = (func, "func") if isinstance(func, _ModePreservingCheckpoint) else (module, "_gradient_checkpointing_func")
+        if isinstance(func, _ModePreservingCheckpoint):
+            target, attr = func, "func"
+        else:
+            target, attr = module, "_gradient_checkpointing_func"
         inner = getattr(target, attr)
         new = _counting(inner, name, names, blocks, phase) if checkpointing else _run_plainly
         setattr(target, attr, new)

@@ -86,7 +86,8 @@ def main() -> None:
         result.update(error_type=f"{type(exc).__module__}.{type(exc).__name__}",
                       message=str(exc).splitlines()[0][:300] if str(exc) else "",
                       notes=list(getattr(exc, "__notes__", [])),
-                      frames=[f"{os.path.basename(f.filename)}:{f.name}" for f in traceback.extract_tb(exc.__traceback__)],
+                      frames=[f"{os.path.basename(f.filename)}:{f.name}"
+                              for f in traceback.extract_tb(exc.__traceback__)],
                       formatted="".join(traceback.format_exception(exc))[-4000:])
     c.emit(result)
     if args.family == "ddp":
