@@ -76,6 +76,11 @@ def _explain(path: str | None, verbose: bool) -> int:
         print(f"gcpatch explain: no decisions recorded under {path}")
         return 0
     for entry in entries:
+        if "line" in entry:  # a verify result or a crash explanation carries its own text
+            print(entry["line"])
+            for text in entry.get("details", ()):
+                print(f"    {text}")
+            continue
         print(record.summary(entry))
         if "failed_open" in entry:
             continue

@@ -5,7 +5,7 @@ Started by the activation watcher when a framework is first imported; everything
 """
 from __future__ import annotations
 
-from gcpatch import record, settings
+from gcpatch import crash_notes, record, settings
 from gcpatch.manager import PluginHost
 from gcpatch.patching import Patcher
 
@@ -26,6 +26,7 @@ def start() -> PluginHost:
     for status in host.active():
         for point in status.patch_points:
             patcher.register(point, status.name)
+    crash_notes.register()
     return host
 
 
@@ -34,6 +35,7 @@ def stop() -> None:
     global _host, _patcher
     if _patcher is not None:
         _patcher.uninstall_all()
+    crash_notes.uninstall()
     _host, _patcher = None, None
 
 

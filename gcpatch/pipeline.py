@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from gcpatch import apply, checkpoint_call, engine, record, resolve, settings
+from gcpatch import apply, checkpoint_call, engine, record, resolve, settings, verify
 from gcpatch import facts as facts_mod
 from gcpatch.errors import GcpatchError
 from gcpatch.manager import PluginFailure
@@ -95,6 +95,8 @@ def run_enable(call: EnableCall) -> Any:
     state.trainer = call.trainer or state.trainer
     entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=_same_as_last(state, facts, decision))
     state.last = entry
+    if cfg.verify:
+        verify.arm(call.model)
     return result
 
 

@@ -117,6 +117,16 @@ def failure(stage: str, text: str, record_dir: str | None) -> None:
         _write(entry, record_dir)
 
 
+def event(entry: dict[str, Any], record_dir: str | None) -> dict[str, Any]:
+    """Record what is not a decision (a verify result, a crash explanation): `entry` carries its
+    own `stage` and a ready-made `line` for `gcpatch explain`; it is logged by its owner."""
+    entry = {"time": time.time(), "pid": os.getpid(), "rank": rank(), **entry}
+    _history.append(entry)
+    if record_dir:
+        _write(entry, record_dir)
+    return entry
+
+
 def summary(entry: dict[str, Any]) -> str:
     """The one line a decision gets: where, what was asked, what was applied, which rule, why."""
     if "failed_open" in entry:

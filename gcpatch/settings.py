@@ -33,7 +33,7 @@ class Settings:
     """The parsed variables. A plain class: this module is on the start-up path, where
     importing dataclasses (and with it inspect) would cost more than gcpatch itself."""
 
-    __slots__ = ("mode", "record_dir", "blocked_plugins", "log_level")
+    __slots__ = ("mode", "record_dir", "blocked_plugins", "log_level", "verify")
 
     def __init__(
         self,
@@ -41,11 +41,13 @@ class Settings:
         record_dir: str | None = None,
         blocked_plugins: frozenset[str] = frozenset(),
         log_level: str = "info",
+        verify: bool = False,
     ) -> None:
         self.mode = mode
         self.record_dir = record_dir
         self.blocked_plugins = blocked_plugins
         self.log_level = log_level
+        self.verify = verify  # GCPATCH_VERIFY=1: check each model's first training step (gcpatch/verify.py)
 
     @property
     def strict(self) -> bool:
@@ -53,7 +55,7 @@ class Settings:
 
 
 def read() -> Settings:
-    """Read GCPATCH_MODE, GCPATCH_RECORD, GCPATCH_DISABLE_PLUGINS and GCPATCH_LOG."""
+    """Read GCPATCH_MODE, GCPATCH_RECORD, GCPATCH_DISABLE_PLUGINS, GCPATCH_LOG and GCPATCH_VERIFY."""
     mode = os.environ.get("GCPATCH_MODE", "fix").strip().lower() or "fix"
     if mode not in MODES:
         _bad("GCPATCH_MODE", mode, " | ".join(MODES))
@@ -66,7 +68,8 @@ def read() -> Settings:
         name.strip() for name in os.environ.get("GCPATCH_DISABLE_PLUGINS", "").split(",") if name.strip()
     )
     record_dir = os.environ.get("GCPATCH_RECORD", "").strip() or None
-    return Settings(mode=mode, record_dir=record_dir, blocked_plugins=blocked, log_level=log_level)
+    verify = os.environ.get("GCPATCH_VERIFY", "").strip().lower() in _TRUE
+    return Settings(mode=mode, record_dir=record_dir, blocked_plugins=blocked, log_level=log_level, verify=verify)
 
 
 def _bad(name: str, value: str, expected: str) -> None:

@@ -1,0 +1,177 @@
+"""Crash explanations: the known checkpointing failures, explained on the exception itself.
+
+Each of these surfaces in a backward pass, far from its cause: a recompute that differs from
+the forward (`CheckpointError`), DDP's "mark a variable ready only once", "element 0 of tensors
+does not require grad", and a backward through a freed graph. While gcpatch is active,
+`torch.autograd.backward` (which `Tensor.backward` and reentrant checkpointing call) is wrapped
+by one plain function: when one of these is raised, an exception note (PEP 678) names the likely
+cause, the rule that covers it, what gcpatch decided in this process and the fix; the note is
+recorded for `gcpatch explain`. The exception object, its type, message and the frames it
+was raised through are the same: it is re-raised as is (the wrapper adds its own frame).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from gcpatch import record, settings
+from gcpatch.facts import rank
+
+log = logging.getLogger("gcpatch")
+_MARK = "_gcpatch_explained"
+
+
+@dataclass(frozen=True)
+class Family:
+    id: str
+    markers: tuple[str, ...]  # in the exception's type name or message
+    title: str
+    cause: str
+    rules: str
+    fix: str
+
+
+FAMILIES = (
+    Family(
+        "recompute_mismatch",
+        ("CheckpointError", "Recomputed values for the following tensors have different metadata",
+         "A different number of tensors was saved"),
+        "a checkpointed block computed something else when it was recomputed in the backward",
+        "the recompute must repeat the forward exactly; it does not when the layers' train/eval mode changed "
+        "between forward and backward (dropout saves a mask only in training), when DeepSpeed ZeRO-3 gathers "
+        "parameters differently for the recompute (non-reentrant on DeepSpeed < 0.19.3, DeepSpeed #8148), or "
+        "when the block writes a KV cache",
+        "R3 (ZeRO-3 + frozen/PEFT parameters on DeepSpeed < 0.19.3 -> reentrant + input-grads hook), "
+        "R5 (eval mode at the first training forward), R6 (use_cache off under checkpointing)",
+        "keep the model in one mode from forward to backward (no model.eval()/train() in between); under ZeRO-3 "
+        "upgrade DeepSpeed to >= 0.19.3 or use use_reentrant=True (GCPATCH_MODE=fix applies R3)",
+    ),
+    Family(
+        "ddp_ready_twice",
+        ("Expected to mark a variable ready only once",),
+        "DDP saw a parameter's gradient twice in one backward",
+        "reentrant checkpointing runs each checkpointed block's backward as a separate backward pass; with "
+        "DDP(find_unused_parameters=True) (or a parameter shared between blocks) the recompute fires the "
+        "parameter's DDP hook a second time (trl#4782, accelerate#2017)",
+        "R4 (multi-process DDP with find_unused_parameters=True + reentrant -> non-reentrant)",
+        "use_reentrant=False (gcpatch's R4 applies it in fix mode when DDP wraps the model), or "
+        "find_unused_parameters=False (ddp_find_unused_parameters=False in TrainingArguments), or "
+        "DDP(static_graph=True)",
+    ),
+    Family(
+        "loss_without_grad",
+        ("element 0 of tensors does not require grad and does not have a grad_fn",),
+        "the loss has no graph to backpropagate",
+        "with reentrant checkpointing a checkpointed block whose inputs need no gradient returns an output "
+        "without one (frozen embeddings, inputs_embeds, adapters inside frozen layers, hidden states passed by "
+        "keyword); if nothing trainable comes after the blocks the loss has no grad_fn. Also: every parameter "
+        "frozen, or the forward ran under torch.no_grad()",
+        "R1 (partially frozen + reentrant -> non-reentrant), R2/X2/P1 (input-grads hook under reentrant)",
+        "use_reentrant=False, or model.enable_input_require_grads() before training; check that a parameter "
+        "requires grad and that the forward is not under torch.no_grad()",
+    ),
+    Family(
+        "backward_twice",
+        ("Trying to backward through the graph a second time",),
+        "a graph was backpropagated twice",
+        "a tensor computed with grad in one step is used again in the next: inputs_embeds or an embedding "
+        "output computed once outside the loop, a KV cache carried across steps (use_cache under "
+        "checkpointing), a cached tensor with history; or backward() ran twice on one loss. Under reentrant "
+        "checkpointing each block's recompute backpropagates into its inputs' graph again",
+        "R6 (use_cache off under checkpointing); R1/R4 (non-reentrant)",
+        "compute tensors inside the step, or .detach() what is reused across steps; use_cache=False; "
+        "retain_graph=True only if a second backward is intended",
+    ),
+)
+
+_installed: list[tuple[Any, Any, Any]] = []  # (module, original, wrapper)
+
+
+def register() -> None:
+    """Wrap torch.autograd.backward when torch.autograd is imported (now, if it already is)."""
+    import wrapt
+
+    wrapt.register_post_import_hook(_install, "torch.autograd")
+
+
+def _install(module: Any) -> None:
+    original = module.backward
+    if getattr(original, _MARK, False) or _installed:
+        return
+
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except Exception as exc:
+            explain(exc)
+            raise
+
+    setattr(backward, _MARK, True)
+    module.backward = backward
+    _installed.append((module, original, backward))
+
+
+def uninstall() -> None:
+    """Put torch.autograd.backward back, by identity (someone who wrapped over us keeps theirs)."""
+    while _installed:
+        module, original, wrapper = _installed.pop()
+        if module.backward is wrapper:
+            module.backward = original
+
+
+def family_of(exc: BaseException) -> Family | None:
+    text = f"{type(exc).__name__}: {exc}"
+    return next((f for f in FAMILIES if any(marker in text for marker in f.markers)), None)
+
+
+def explain(exc: BaseException) -> str | None:
+    """Add gcpatch's note to a known checkpointing failure (once); returns the note. Never raises."""
+    try:
+        if getattr(exc, _MARK, False):
+            return None
+        family = family_of(exc)
+        if family is None:
+            return None
+        setattr(exc, _MARK, True)
+        decided = decisions()
+        lines = [f"likely cause: {family.cause}", f"rule: {family.rules}",
+                 *(f"gcpatch decided: {text}" for text in decided), f"fix: {family.fix}"]
+        note = f"gcpatch [{family.id}]: {family.title}\n" + "\n".join(f"  {line}" for line in lines)
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        else:  # Python < 3.11 has no exception notes: the log line carries it
+            log.error("%s", note)
+        message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        line = f"gcpatch: rank {rank()} crash explained [{family.id}]: {type(exc).__name__}: {message}"
+        log.error("%s (gcpatch's note is on the exception)", line)
+        record.event({"stage": "crash", "family": family.id, "error": f"{type(exc).__name__}: {message}",
+                      "line": line, "details": lines}, settings.read().record_dir)
+        return note
+    except Exception as inner:  # noqa: BLE001 (the user's exception must propagate untouched)
+        log.error("gcpatch: could not explain %s (%s: %s)", type(exc).__name__, type(inner).__name__, inner)
+        return None
+
+
+def decisions() -> list[str]:
+    """What gcpatch decided in this process: the last decision per model, and verify's findings."""
+    last: dict[str, dict[str, Any]] = {}
+    verified: list[str] = []
+    for entry in record.history():
+        if entry.get("stage") in ("enable", "first_forward", "config"):
+            last[entry.get("model", "?")] = entry
+        elif entry.get("stage") == "verify":
+            verified.append(entry["line"].split(" verify ", 1)[-1])
+    if not last:
+        return ["no checkpointing decision in this process (no enable call went through gcpatch)"]
+    out = []
+    for model, entry in last.items():
+        applied = ", ".join(f"{k}={v}" for k, v in entry.get("applied", {}).items()) or "nothing"
+        decision = entry.get("decision", {})
+        text = (f"{model}.{entry.get('api', '?')} ({entry.get('source', '?')}): applied {applied} by "
+                f"{', '.join(entry.get('rules') or ['no rule'])} in {decision.get('mode', '?')} mode")
+        warnings = decision.get("warnings", []) + decision.get("conflicts", [])
+        out.append(text + "".join(f"; warning: {w}" for w in warnings))
+    return out + [f"verify: {text}" for text in verified]

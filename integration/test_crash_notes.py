@@ -1,0 +1,68 @@
+"""Crash explanations: each known checkpointing crash, reproduced by an unchanged user script,
+plain and under GCPATCH=1. Under gcpatch the same exception (type, message, the frames it was
+raised through; gcpatch's wrapper adds only its own frame) carries one note naming the likely
+cause, the rule, what gcpatch decided and the fix; it is recorded and `gcpatch explain` shows it."""
+from __future__ import annotations
+
+import pytest
+
+from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain
+from _run import Spec
+
+SCRIPT = "crash_families.py"
+# family -> (GCPATCH_MODE, expected exception type, words of its message, rule named, what gcpatch decided)
+CASES = {
+    "recompute": ("fix", "torch.utils.checkpoint.CheckpointError", "A different number of tensors was saved",
+                  "R5", "applied use_reentrant=False"),
+    # warn mode keeps the user's use_reentrant=True over R1: the set-up crashes as it would without gcpatch
+    "no_grad": ("warn", "builtins.RuntimeError", "element 0 of tensors does not require grad",
+                "R1", "warn mode keeps the user's value"),
+    "twice": ("fix", "builtins.RuntimeError", "Trying to backward through the graph a second time",
+              "R6", "applied use_reentrant=False"),
+}
+FAMILY_IDS = {"recompute": "recompute_mismatch", "no_grad": "loss_without_grad", "twice": "backward_twice",
+              "ddp": "ddp_ready_twice"}
+RUNS = ([Spec(SCRIPT, ("--family", f), env=(("GCPATCH_MODE", mode),)) for f, (mode, *_) in CASES.items()]
+        + [Spec(SCRIPT, ("--family", "ddp"), env=(("GCPATCH_MODE", "warn"),), launcher="torchrun2")])
+
+
+def assert_explained_crash(run, plain, family: str, error_type: str, words: str, rule: str, decided: str) -> None:
+    assert_installed_gcpatch_ran(run)
+    assert_plain(plain)
+    for r in (run.result, plain.result):
+        assert r["error_type"] == error_type, r
+        assert words in r["message"], r["message"]
+    assert run.result["message"] == plain.result["message"]
+    assert plain.result["notes"] == []
+    # the same frames: gcpatch's wrapper of torch.autograd.backward is the only one added
+    assert [f for f in run.result["frames"] if not f.startswith("crash_notes.py:")] == plain.result["frames"]
+    notes = run.result["notes"]
+    assert len(notes) == 1, notes
+    note = notes[0]
+    assert note.startswith(f"gcpatch [{FAMILY_IDS[family]}]:"), note
+    for part in ("likely cause:", "rule:", "gcpatch decided:", "fix:", rule, decided):
+        assert part in note, (part, note)
+    crash = [e for e in run.records() if e.get("stage") == "crash"]
+    assert len(crash) == len(run.results), crash  # one per rank
+    assert crash[0]["family"] == FAMILY_IDS[family] and words in crash[0]["error"]
+    assert_explained(run, f"crash explained [{FAMILY_IDS[family]}]", "gcpatch decided:", rule)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_crash_is_explained_on_the_unchanged_exception(script_runs, family):
+    mode, error_type, words, rule, decided = CASES[family]
+    run = script_runs.get(SCRIPT, "--family", family, gcpatch=True, env={"GCPATCH_MODE": mode})
+    plain = script_runs.get(SCRIPT, "--family", family, gcpatch=False)
+    assert_explained_crash(run, plain, family, error_type, words, rule, decided)
+
+
+@pytest.mark.distributed
+def test_ddp_mark_ready_twice_is_explained_on_every_rank(script_runs):
+    """warn mode keeps reentrant under DDP(find_unused_parameters=True): R4 would have fixed it."""
+    env = {"GCPATCH_MODE": "warn"}
+    run = script_runs.get(SCRIPT, "--family", "ddp", gcpatch=True, env=env, launcher="torchrun2", exit_ok=False)
+    plain = script_runs.get(SCRIPT, "--family", "ddp", gcpatch=False, launcher="torchrun2", exit_ok=False)
+    assert [r["rank"] for r in run.results] == [0, 1]
+    assert_explained_crash(run, plain, "ddp", "builtins.RuntimeError", "Expected to mark a variable ready only once",
+                           "R4", "warn mode keeps the user's value")
+    assert run.results[1]["notes"] == run.results[0]["notes"]
