@@ -55,6 +55,8 @@ def main():
         result["error"] = f"{type(exc).__name__}: {exc}"[:1500]
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)  # a file per rank: torchrun interleaves the ranks' stdout
+    if result["error"] is None:
+        dist.barrier()  # no rank tears gloo down while another still finishes its step
     dist.destroy_process_group()
 
 
