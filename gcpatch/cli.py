@@ -71,33 +71,72 @@ def _explain(path: str | None, verbose: bool) -> int:
     if not path or not os.path.exists(path):
         print("gcpatch explain: no records; run with GCPATCH_RECORD=<dir> and pass that directory", file=sys.stderr)
         return 2
-    entries = record.read(path)
-    if not entries:
+    found = record.scan(path)
+    if not found.entries and not found.damaged:
         print(f"gcpatch explain: no decisions recorded under {path}")
         return 0
-    for entry in entries:
+    for entry in found.entries:
         if "line" in entry:  # a verify result or a crash explanation carries its own text
             print(entry["line"])
             for text in entry.get("details", ()):
                 print(f"    {text}")
             continue
-        print(record.summary(entry))
-        if "failed_open" in entry:
+        missing = _missing_fields(entry)
+        if missing:
+            print(f"gcpatch: rank {entry.get('rank', '?')} {entry.get('stage', '?')}: incomplete record, "
+                  f"missing {', '.join(missing)}")
             continue
-        decision = entry["decision"]
-        for knob, vote in decision["winners"].items():
-            if knob in entry["applied"]:
-                print(f"    {knob} = {vote['value']!r:6} by {vote['rule']} ({vote['strength']}): {vote['reason']}")
-            else:
-                print(f"    {knob}: not needed with this choice ({vote['rule']} voted {vote['value']!r})")
-        for vote in decision["overruled"]:
-            print(f"    overruled: {vote['rule']} ({vote['strength']}) wanted {vote['knob']}={vote['value']!r}")
-        for text in decision["warnings"] + decision["conflicts"]:
-            print(f"    warning: {text}")
-        if verbose:
-            for key, value in entry["facts"].items():
-                print(f"      fact {key} = {value!r}")
+        _explain_entry(entry, record.summary(entry), verbose)
+    if found.damaged:
+        print(f"gcpatch explain: skipped {len(found.damaged)} damaged line(s) "
+              "(a rank killed mid-write leaves a truncated line):", file=sys.stderr)
+        for where in found.damaged[:20]:
+            print(f"    {where}", file=sys.stderr)
     return 0
+
+
+# What `summary` and the detail lines read from a decision record, and their types.
+_DECISION_FIELDS = {"rank": object, "stage": object, "model": object, "api": object, "source": object,
+                    "asked": dict, "applied": dict, "why": dict, "decision": dict}
+_CALL_FIELDS = {"rank": object, "site": object, "asked": dict, "applied": dict, "why": dict, "decision": dict}
+_DETAIL_FIELDS = {"winners": dict, "overruled": list, "warnings": list, "conflicts": list}
+
+
+def _missing_fields(entry: dict) -> list[str]:
+    """The fields a record lacks (or holds with the wrong type), named for the reader."""
+    if "failed_open" in entry:
+        return [k for k in ("rank", "stage") if k not in entry]
+    fields = _CALL_FIELDS if entry.get("stage") == "call" else _DECISION_FIELDS
+    missing = [k for k, kind in fields.items() if not isinstance(entry.get(k), kind)]
+    if isinstance(entry.get("asked"), dict):
+        missing += [f"asked.{k}" for k in ("use_reentrant", "from") if k not in entry["asked"]]
+    if isinstance(entry.get("decision"), dict):
+        missing += [f"decision.{k}" for k, kind in _DETAIL_FIELDS.items()
+                    if not isinstance(entry["decision"].get(k), kind)]
+    return missing
+
+
+def _explain_entry(entry: dict, line: str, verbose: bool) -> None:
+    print(line)
+    if "failed_open" in entry:
+        return
+    decision = entry["decision"]
+    for knob, vote in decision["winners"].items():
+        vote = vote if isinstance(vote, dict) else {}
+        if knob in entry["applied"]:
+            print(f"    {knob} = {vote.get('value')!r:6} by {vote.get('rule', '?')} ({vote.get('strength', '?')}): "
+                  f"{vote.get('reason', '')}")
+        else:
+            print(f"    {knob}: not needed with this choice ({vote.get('rule', '?')} voted {vote.get('value')!r})")
+    for vote in decision["overruled"]:
+        vote = vote if isinstance(vote, dict) else {}
+        print(f"    overruled: {vote.get('rule', '?')} ({vote.get('strength', '?')}) wanted "
+              f"{vote.get('knob', '?')}={vote.get('value')!r}")
+    for text in decision["warnings"] + decision["conflicts"]:
+        print(f"    warning: {text}")
+    if verbose and isinstance(entry.get("facts"), dict):
+        for key, value in entry["facts"].items():
+            print(f"      fact {key} = {value!r}")
 
 
 def _rules() -> int:

@@ -336,7 +336,7 @@ def _as_bool(value: Any) -> bool | None:
 
 
 def _int_env(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
+    from gcpatch import settings
+
+    meaning = "the number of processes" if name == "WORLD_SIZE" else "this process's rank (records only)"
+    return settings.int_env(name, default, meaning)

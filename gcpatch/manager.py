@@ -7,6 +7,8 @@ plugin's failure from the others (design card: a plugin error fails open).
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -14,9 +16,23 @@ import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from gcpatch import hookspecs
+from gcpatch import hookspecs, settings
 from gcpatch.errors import GcpatchError
-from gcpatch.schema import CallFacts, Facts, PatchPoint, PluginInfo, Vote
+from gcpatch.schema import (
+    EVAL_MODE_FIX,
+    FAILURE_ORDER,
+    INPUT_GRADS_HOOK,
+    KNOBS,
+    STRENGTH_ORDER,
+    USE_CACHE_OFF,
+    USE_REENTRANT,
+    USER,
+    CallFacts,
+    Facts,
+    PatchPoint,
+    PluginInfo,
+    Vote,
+)
 
 log = logging.getLogger("gcpatch")
 
@@ -40,11 +56,17 @@ class PluginHost:
         self._strict = strict
         self._reported: set[tuple[str, str]] = set()
         self.statuses: list[PluginStatus] = []
+        self._failed_votes: set[tuple[str, str, str]] = set()  # vote failures already warned about
 
     @classmethod
     def from_entry_points(cls, blocked: frozenset[str] = frozenset(), strict: bool = False) -> PluginHost:
         host = cls(strict=strict)
-        for ep in sorted(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=_builtin_first):
+        found = _plugin_entry_points()
+        unknown = sorted(blocked - {ep.name for ep in found})
+        if unknown:
+            log.warning("gcpatch: GCPATCH_DISABLE_PLUGINS names no installed plugin: %s (installed: %s); "
+                        "nothing else is blocked", ", ".join(unknown), ", ".join(sorted(ep.name for ep in found)))
+        for ep in sorted(found, key=_builtin_first):
             if ep.name in blocked:
                 host.statuses.append(PluginStatus(ep.name, "blocked", "named in GCPATCH_DISABLE_PLUGINS"))
                 continue
@@ -81,7 +103,10 @@ class PluginHost:
             self.statuses.append(status)
             return status
         try:
-            status.patch_points = list(self._call_one(name, "gcpatch_patch_points") or [])
+            points = self._call_one(name, "gcpatch_patch_points") or []
+            if not isinstance(points, (list, tuple)) or not all(isinstance(p, PatchPoint) for p in points):
+                raise TypeError(f"gcpatch_patch_points returned {_describe(points)}, not a list of PatchPoint")
+            status.patch_points = list(points)
         except Exception as exc:  # noqa: BLE001
             self._unregister(name)
             return self._failed(name, "failed in gcpatch_patch_points", exc)
@@ -96,21 +121,28 @@ class PluginHost:
         return [(s.name, rule) for s in self.active() for rule in (s.info.rules if s.info else ())]
 
     def votes(self, facts: Facts) -> list[Vote]:
-        """Every active plugin's votes, in plugin order. A plugin that raises stops the decision
-        (the caller falls back to the host's own behaviour): a partial vote could be wrong."""
+        """Every active plugin's votes, in plugin order. A plugin that raises or returns
+        something that is not a list of valid votes is dropped from this decision, with one
+        warning naming it: the other plugins' rules (the built-in ones included) still decide.
+        A partial vote could be wrong, so none of that plugin's votes count. Strict mode
+        raises instead (`PluginFailure`, turned into a GcpatchError by the pipeline)."""
         return self._gather("gcpatch_vote", facts)
 
     def call_votes(self, facts: CallFacts) -> list[Vote]:
-        """Every active plugin's votes on one checkpoint call's facts (`gcpatch_call_vote`)."""
+        """Every active plugin's votes on one checkpoint call's facts (`gcpatch_call_vote`),
+        isolated per plugin as `votes` is."""
         return self._gather("gcpatch_call_vote", facts)
 
     def _gather(self, hook: str, facts: object) -> list[Vote]:
         votes: list[Vote] = []
         for status in self.active():
             try:
-                result = self._call_one(status.name, hook, facts=facts) or []
+                result = _checked_votes(self._call_one(status.name, hook, facts=facts))
             except Exception as exc:
-                raise PluginFailure(status.name, hook, exc) from exc
+                if self._strict:
+                    raise PluginFailure(status.name, hook, exc) from exc
+                self._dropped(status.name, hook, exc)
+                continue
             declared = {rule.id for rule in status.info.rules} if status.info else set()
             for vote in result:
                 if vote.rule not in declared:
@@ -118,6 +150,14 @@ class PluginHost:
                     continue
                 votes.append(_stamped(vote, status.name))
         return votes
+
+    def _dropped(self, name: str, hook: str, exc: BaseException) -> None:
+        key = (name, hook, f"{type(exc).__name__}: {exc}")
+        first = key not in self._failed_votes
+        self._failed_votes.add(key)
+        log.log(logging.WARNING if first else logging.DEBUG,
+                "gcpatch: plugin %s dropped from this decision, its %s failed (%s: %s); "
+                "the other plugins' rules, the built-in ones included, still decide", name, hook, type(exc).__name__, exc)
 
     def _undeclared(self, plugin: str, rule: str) -> None:
         """A vote whose rule is not in its plugin's table cannot be explained: it is dropped."""
@@ -166,6 +206,40 @@ def builtin_infos() -> list[tuple[str, PluginInfo]]:
     return found
 
 
+# The knobs whose value is a switch: a string "False" there would be read as True.
+_VALUE_TYPES = {USE_REENTRANT: bool, INPUT_GRADS_HOOK: bool, USE_CACHE_OFF: bool, EVAL_MODE_FIX: bool}
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {', '.join(kinds) or 'nothing'}"
+    return f"a {type(value).__name__}"
+
+
+def _checked_votes(result: object) -> list[Vote]:
+    """A plugin's answer, or TypeError/ValueError saying what is wrong with it."""
+    if result is None:
+        return []
+    if not isinstance(result, (list, tuple)):
+        raise TypeError(f"returned {type(result).__name__}, not a list of Vote")
+    for vote in result:
+        if not isinstance(vote, Vote):
+            raise TypeError(f"returned a {type(vote).__name__} among its votes, not a Vote")
+        if vote.knob not in KNOBS:
+            raise ValueError(f"voted on an unknown knob {vote.knob!r} (known: {', '.join(KNOBS)})")
+        if vote.strength not in STRENGTH_ORDER or vote.strength == USER:
+            raise ValueError(f"voted with strength {vote.strength!r} (a plugin's votes are required, "
+                             "recommended or default; 'user' is the user's own ask)")
+        if not isinstance(vote.value, _VALUE_TYPES.get(vote.knob, (bool, int, float, str, type(None)))):
+            raise TypeError(f"voted {vote.knob}={vote.value!r}, a {type(vote.value).__name__}, not a bool")
+        if not isinstance(vote.rule, str) or not vote.rule or not isinstance(vote.reason, str):
+            raise TypeError(f"returned a vote without a rule id or reason ({vote.rule!r})")
+        if vote.avoids not in FAILURE_ORDER:
+            raise ValueError(f"vote {vote.rule} avoids {vote.avoids!r} (known: {', '.join(k for k in FAILURE_ORDER if k)})")
+    return list(result)
+
+
 def _stamped(vote: Vote, plugin: str) -> Vote:
     if vote.plugin:
         return vote
@@ -174,8 +248,64 @@ def _stamped(vote: Vote, plugin: str) -> Vote:
     return replace(vote, plugin=plugin)
 
 
+def _plugin_entry_points() -> list[metadata.EntryPoint]:
+    """The `gcpatch.plugins` entry points of installed distributions. A `*.dist-info` in the
+    directory Python put on sys.path for the script itself (its folder, or the working directory
+    for `-c`/`-m`) is not loaded unless GCPATCH_LOCAL_PLUGINS=1: a stray folder next to a
+    training script must not run code inside every job started from there."""
+    implicit = settings.local_plugins() is False and _implicit_path_entry()
+    path = [p for p in sys.path if not (implicit and _same_dir(p, implicit))]
+    skipped = [] if not implicit else [p for p in sys.path if _same_dir(p, implicit)]
+    found: list[metadata.EntryPoint] = []
+    seen: set[str] = set()
+    for dist in metadata.distributions(path=path):
+        name = _dist_name(dist)
+        if name in seen:
+            continue
+        seen.add(name)
+        found.extend(ep for ep in dist.entry_points if ep.group == hookspecs.ENTRY_POINT_GROUP)
+    local = sorted({f"{ep.name} ({_dist_name(dist)})" for dist in metadata.distributions(path=skipped)
+                    for ep in dist.entry_points if ep.group == hookspecs.ENTRY_POINT_GROUP})
+    if local:
+        log.warning("gcpatch: plugins found next to the script in %s not loaded: %s; install them, or set "
+                    "GCPATCH_LOCAL_PLUGINS=1 to load plugins from there", implicit, ", ".join(local))
+    return found
+
+
+def _implicit_path_entry() -> str:
+    """The directory Python added to sys.path for the script ('' or the script's folder), or ''
+    when it added none (-I, -P, PYTHONSAFEPATH)."""
+    if getattr(sys.flags, "safe_path", False) or sys.flags.isolated:
+        return ""
+    script = sys.argv[0] if sys.argv else ""
+    if script and script not in ("-c", "-m") and os.path.isfile(script):
+        return os.path.dirname(os.path.abspath(script))
+    return os.getcwd()
+
+
+def _same_dir(entry: str, directory: str) -> bool:
+    try:
+        real = os.path.realpath(entry or os.curdir)
+        return real == os.path.realpath(directory) and real not in {os.path.realpath(d) for d in _site_dirs()}
+    except (OSError, ValueError):
+        return False
+
+
+def _site_dirs() -> set[str]:
+    import site
+
+    dirs = set(getattr(site, "getsitepackages", lambda: [])())
+    dirs.add(getattr(site, "getusersitepackages", lambda: "")())
+    dirs.update(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    return dirs
+
+
+def _dist_name(dist: metadata.Distribution) -> str:
+    return (dist.metadata["Name"] or "").lower().replace("_", "-")
+
+
 def _builtin_first(ep: metadata.EntryPoint) -> tuple[int, str]:
-    # Built-ins vote first so that ties between equal votes go to them (RULES.md §3).
+    # Built-ins load and log first; the resolver's outcome does not depend on this order.
     return (0 if ep.value.startswith("gcpatch_plugins.") else 1, ep.name)
 
 

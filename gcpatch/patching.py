@@ -221,6 +221,8 @@ class _Original:
 
 
 def _fail_open(point: PatchPoint, plugin: str, strict: bool):  # noqa: ANN202
+    reported: list[bool] = []  # one ERROR line per patch point; later failures at DEBUG (a hot path)
+
     def wrapper(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202 (wrapt's protocol)
         original = _Original(wrapped, user_frame())
         try:
@@ -233,8 +235,11 @@ def _fail_open(point: PatchPoint, plugin: str, strict: bool):  # noqa: ANN202
             if strict:
                 raise GcpatchError(f"{point.target} failed inside gcpatch: {type(exc).__name__}: {exc}",
                                    rule=f"plugin:{plugin}") from exc
-            log.error("gcpatch: plugin %s failed in %s, running it unpatched (%s: %s)",
-                      plugin, point.target, type(exc).__name__, exc)
+            first = not reported
+            reported[:] = [True]
+            log.log(logging.ERROR if first else logging.DEBUG, "gcpatch: plugin %s failed in %s, running it unpatched "
+                    "(%s: %s)%s", plugin, point.target, type(exc).__name__, exc,
+                    "; later failures here are logged at DEBUG only" if first else "")
             return wrapped(*args, **kwargs)
 
     return wrapper

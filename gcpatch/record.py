@@ -2,9 +2,11 @@
 GCPATCH_RECORD names a directory, and an in-process history for `gcpatch.decisions()`."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import time
 from typing import Any
 
@@ -144,19 +146,97 @@ def summary(entry: dict[str, Any]) -> str:
 
 
 def read(path: str) -> list[dict[str, Any]]:
-    """Every record under a GCPATCH_RECORD directory (or in one JSONL file), rank by rank."""
-    files = [path] if os.path.isfile(path) else [
-        os.path.join(path, name) for name in sorted(os.listdir(path)) if name.endswith(".jsonl")
-    ]
-    entries = []
+    """Every readable record under a GCPATCH_RECORD directory (or in one JSONL file), rank by
+    rank. Damaged lines are skipped; `scan` also says which."""
+    return scan(path).entries
+
+
+class Scan:
+    """What `scan` found: the records, and every line or file it could not read (a rank
+    killed mid-write leaves a truncated line; `gcpatch explain` reports them, never crashes)."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self.damaged: list[str] = []  # "file:line: why"
+
+
+def scan(path: str) -> Scan:
+    found = Scan()
+    try:
+        files = [path] if not os.path.isdir(path) else [
+            os.path.join(path, name) for name in sorted(os.listdir(path)) if name.endswith(".jsonl")
+        ]
+    except OSError as exc:
+        found.damaged.append(f"{path}: cannot list ({type(exc).__name__}: {exc})")
+        return found
     for name in files:
-        with open(name, encoding="utf-8") as handle:
-            entries.extend(json.loads(line) for line in handle if line.strip())
-    return sorted(entries, key=lambda e: (e.get("rank", 0), e.get("time", 0)))
+        try:
+            with open(name, "rb") as handle:
+                lines = handle.read().split(b"\n")
+        except OSError as exc:
+            found.damaged.append(f"{name}: cannot read ({type(exc).__name__}: {exc})")
+            continue
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                entry = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as exc:
+                found.damaged.append(f"{name}:{number}: not a JSON record ({type(exc).__name__})")
+                continue
+            if not isinstance(entry, dict):
+                found.damaged.append(f"{name}:{number}: a JSON {type(entry).__name__}, not a record")
+                continue
+            found.entries.append(entry)
+    found.entries.sort(key=lambda e: (_number(e.get("rank")), _number(e.get("time"))))
+    return found
 
 
-def _write(entry: dict[str, Any], record_dir: str) -> None:
-    os.makedirs(record_dir, exist_ok=True)
-    path = os.path.join(record_dir, f"gcpatch-rank{entry['rank']}.jsonl")
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(entry, default=repr) + "\n")
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+# Paths whose write already failed: reported once, then skipped quietly (the job goes on).
+_unwritable: dict[str, str] = {}
+# Read and write (the last byte says whether a killed writer left half a line); never through a
+# symlink; non-blocking, so a FIFO planted there cannot hang the job.
+_OPEN_FLAGS = (os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+               | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+
+
+def _write(entry: dict[str, Any], record_dir: str) -> bool:
+    """Append one line to this rank's file. Never raises into the host: a record that cannot
+    be written (an existing file in the way, a read-only directory, a planted symlink, a FIFO)
+    is reported once with its path and reason, and the decision itself stands."""
+    path = os.path.join(record_dir, f"gcpatch-rank{entry.get('rank', 0)}.jsonl")
+    try:
+        line = (json.dumps(entry, default=repr) + "\n").encode("utf-8")
+        if not os.path.isdir(record_dir):
+            os.makedirs(record_dir, mode=0o700, exist_ok=True)  # ours: only this user reads it
+        fd = os.open(path, _OPEN_FLAGS, 0o600)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise OSError(f"not a regular file (mode {stat.filemode(info.st_mode)})")
+            if hasattr(os, "getuid") and info.st_uid != os.getuid():
+                raise OSError(f"owned by uid {info.st_uid}, not by this user")
+            if info.st_size and os.pread(fd, 1, info.st_size - 1) != b"\n":
+                line = b"\n" + line  # a writer killed mid-line: start ours on a line of its own
+            while line:
+                line = line[os.write(fd, line):]
+        finally:
+            os.close(fd)
+    except Exception as exc:  # noqa: BLE001 (the record must never cost the host its job)
+        reason = f"{type(exc).__name__}: {exc}"
+        if _errno_of(exc) == errno.ELOOP:
+            reason = "it is a symbolic link, which gcpatch never follows"
+        if path not in _unwritable:
+            _unwritable[path] = reason
+            log.error("gcpatch: cannot write the record %s (%s); decisions are still logged and the job goes on",
+                      path, reason)
+        return False
+    return True
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    return getattr(exc, "errno", None)

@@ -4,6 +4,12 @@ Per knob the strongest vote wins: required > user > recommended > default. A req
 against the user's explicit choice wins in fix mode (with a warning), loses in warn mode
 (with a warning) and raises in strict mode. Required votes that disagree are settled by the
 failure each avoids, and both reasons are recorded.
+
+The outcome never depends on the order the votes arrive in (plugin order): votes are taken in
+a canonical order, and votes of equal standing that disagree (required votes avoiding equally
+bad failures, or two recommendations) are settled by the tie rule: the value PyTorch recommends
+for the knob (use_reentrant=False, torch.utils.checkpoint docs), else the value of the lowest
+rule id. The record says it was a tie, not a ranking.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from gcpatch.schema import (
     DEFAULT,
     EVAL_MODE_FIX,
     FAILURE_ORDER,
+    KNOBS,
     RUN_INLINE,
     REQUIRED,
     STRENGTH_ORDER,
@@ -31,6 +38,7 @@ def stance_votes(facts: Facts) -> list[Vote]:
     """The core's own votes: the user's explicit ask, and the default when nothing applies."""
     if facts.stage not in ("enable", "config"):
         return []
+    _warn_string_booleans(facts.asked_kwargs)
     votes = []
     if facts.asked_use_reentrant is not None:
         votes.append(Vote(USE_REENTRANT, facts.asked_use_reentrant, USER, "USER",
@@ -41,7 +49,27 @@ def stance_votes(facts: Facts) -> list[Vote]:
     return votes
 
 
+# Checkpoint arguments torch reads as switches: `if use_reentrant:` makes the string "False" True.
+_SWITCH_KWARGS = ("use_reentrant", "preserve_rng_state")
+
+
+def _warn_string_booleans(asked: object) -> None:
+    from gcpatch import settings
+
+    for name in _SWITCH_KWARGS:
+        value = asked.get(name) if isinstance(asked, dict) else None
+        if isinstance(value, str):
+            settings.report_once(f"kwarg:{name}={value}", f"gcpatch: {name}={value!r} is a string, which torch reads "
+                                 f"as {bool(value)} (any non-empty string is true); gcpatch reads it as {bool(value)} "
+                                 f"too; pass {name}=True or {name}=False, not a string")
+
+
+# The tie rule: the value PyTorch recommends for the knob, where it recommends one.
+TIE_VALUES = {USE_REENTRANT: False}
+
+
 def resolve(votes: list[Vote], mode: str) -> Decision:
+    votes = sorted(votes, key=_canonical)
     decision = Decision(mode=mode, values={}, winners={})
     for knob in _knobs_in_order(votes):
         winner = _resolve_knob([v for v in votes if v.knob == knob], mode, decision)
@@ -58,7 +86,8 @@ def _resolve_knob(votes: list[Vote], mode: str, decision: Decision) -> Vote | No
     user = next((v for v in votes if v.strength == USER), None)
     chosen = _settle_required(required, mode, decision) if required else None
     if chosen is None:
-        return max(votes, key=lambda v: STRENGTH_ORDER[v.strength])  # max keeps the first of equals
+        top = max(STRENGTH_ORDER[v.strength] for v in votes)
+        return _tie_break([v for v in votes if STRENGTH_ORDER[v.strength] == top])
     if chosen.knob in _STATE_KNOBS and mode == "warn":
         decision.warnings.append(f"{chosen.rule}: {chosen.reason} (warn mode: left as it is)")
         return None
@@ -79,19 +108,50 @@ def _resolve_knob(votes: list[Vote], mode: str, decision: Decision) -> Vote | No
 def _settle_required(required: list[Vote], mode: str, decision: Decision) -> Vote:
     if len({repr(v.value) for v in required}) == 1:
         return required[0]
-    chosen = max(required, key=lambda v: FAILURE_ORDER.get(v.avoids, 0))
+    worst = max(FAILURE_ORDER.get(v.avoids, 0) for v in required)
+    top = [v for v in required if FAILURE_ORDER.get(v.avoids, 0) == worst]
+    chosen = _tie_break(top)
     reasons = "; ".join(f"{v.rule} wants {v.value} to avoid {v.avoids or 'a failure'} ({v.reason})" for v in required)
-    text = f"required votes disagree on {chosen.knob}: {reasons}; {chosen.rule} wins (the worse failure)"
+    if len({repr(v.value) for v in top}) == 1:
+        verdict = f"{chosen.rule} wins (it avoids the worse failure, {chosen.avoids})"
+    else:
+        losers = sorted({v.rule for v in top if repr(v.value) != repr(chosen.value)})
+        verdict = (f"{' and '.join(sorted({v.rule for v in top}))} avoid equally bad failures "
+                   f"({chosen.avoids or 'unstated'}), so this is a tie, settled by the tie rule: "
+                   f"{_tie_rule(chosen)}; what {', '.join(losers)} guards against may still happen")
+    text = f"required votes disagree on {chosen.knob}: {reasons}; {verdict}"
     if mode == "strict":
-        raise GcpatchError(text, rule="+".join(v.rule for v in required),
+        raise GcpatchError(text, rule="+".join(sorted({v.rule for v in required})),
                            fix="change the set-up so that only one of these rules applies")
     decision.conflicts.append(text)
     return chosen
 
 
+def _tie_break(votes: list[Vote]) -> Vote:
+    """Among votes of equal standing: all agree, or the knob's PyTorch-recommended value, or
+    the lowest rule id's value. `votes` is in canonical order, so this ignores plugin order."""
+    if len({repr(v.value) for v in votes}) == 1:
+        return votes[0]
+    knob = votes[0].knob
+    if knob in TIE_VALUES:
+        preferred = [v for v in votes if type(v.value) is bool and v.value is TIE_VALUES[knob]]
+        if preferred:
+            return preferred[0]
+    return votes[0]
+
+
+def _tie_rule(chosen: Vote) -> str:
+    if chosen.knob in TIE_VALUES and chosen.value is TIE_VALUES[chosen.knob]:
+        return f"{chosen.knob}={chosen.value}, the value PyTorch recommends (torch.utils.checkpoint docs)"
+    return f"{chosen.knob}={chosen.value}, the value of the lowest rule id ({chosen.rule})"
+
+
+def _canonical(vote: Vote) -> tuple:
+    return (-STRENGTH_ORDER.get(vote.strength, -1), vote.rule, vote.plugin, vote.knob, repr(vote.value),
+            vote.avoids, vote.reason)
+
+
 def _knobs_in_order(votes: list[Vote]) -> list[str]:
-    knobs: list[str] = []
-    for vote in votes:
-        if vote.knob not in knobs:
-            knobs.append(vote.knob)
-    return knobs
+    """Known knobs in their declared order, then any other by name."""
+    names = {vote.knob for vote in votes}
+    return [k for k in KNOBS if k in names] + sorted(names - set(KNOBS))

@@ -1,7 +1,7 @@
 """gcpatch's environment variables, read in one place.
 
-A bad value never raises: it is reported once on stderr and the default is used, because
-gcpatch runs inside other people's jobs (design card: fail open).
+A bad value never raises: it is reported once on stderr, in words that say exactly what gcpatch
+does instead, because gcpatch runs inside other people's jobs (design card: fail open).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def env_switch() -> bool | None:
         return True
     if value in _FALSE:
         return False
-    _bad("GCPATCH", raw, "1 or 0")
+    report_once("GCPATCH", f"gcpatch: GCPATCH={raw!r} is neither 1 nor 0; gcpatch stays off, as with GCPATCH=0 "
+                "(set GCPATCH=1 to switch it on)")
     return False
 
 
@@ -58,11 +59,11 @@ def read() -> Settings:
     """Read GCPATCH_MODE, GCPATCH_RECORD, GCPATCH_DISABLE_PLUGINS, GCPATCH_LOG and GCPATCH_VERIFY."""
     mode = os.environ.get("GCPATCH_MODE", "fix").strip().lower() or "fix"
     if mode not in MODES:
-        _bad("GCPATCH_MODE", mode, " | ".join(MODES))
+        _bad("GCPATCH_MODE", mode, " | ".join(MODES), "fix")
         mode = "fix"
     log_level = os.environ.get("GCPATCH_LOG", "info").strip().lower() or "info"
     if log_level not in _LOG_LEVELS:
-        _bad("GCPATCH_LOG", log_level, " | ".join(_LOG_LEVELS))
+        _bad("GCPATCH_LOG", log_level, " | ".join(_LOG_LEVELS), "info")
         log_level = "info"
     blocked = frozenset(
         name.strip() for name in os.environ.get("GCPATCH_DISABLE_PLUGINS", "").split(",") if name.strip()
@@ -72,8 +73,39 @@ def read() -> Settings:
     return Settings(mode=mode, record_dir=record_dir, blocked_plugins=blocked, log_level=log_level, verify=verify)
 
 
-def _bad(name: str, value: str, expected: str) -> None:
-    if name in _reported:
+def local_plugins() -> bool:
+    """GCPATCH_LOCAL_PLUGINS=1: also load plugins from a *.dist-info in the script's own folder."""
+    raw = os.environ.get("GCPATCH_LOCAL_PLUGINS", "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value not in _FALSE:
+        report_once("GCPATCH_LOCAL_PLUGINS", f"gcpatch: GCPATCH_LOCAL_PLUGINS={raw!r} is neither 1 nor 0; "
+                    "plugins next to the script are not loaded, as with 0")
+    return False
+
+
+def int_env(name: str, default: int, meaning: str) -> int:
+    """An integer launcher variable (RANK, WORLD_SIZE); a bad value is named once with the
+    value gcpatch uses instead."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw.strip())
+    except ValueError:
+        report_once(name, f"gcpatch: {name}={raw!r} is not an integer; gcpatch uses {default} as {meaning} "
+                    "(your launcher may read it differently)")
+        return default
+
+
+def report_once(key: str, line: str) -> None:
+    """Write one line on stderr the first time `key` is reported in this process."""
+    if key in _reported:
         return
-    _reported.add(name)
-    sys.stderr.write(f"gcpatch: ignoring {name}={value!r}: expected {expected}; using the default\n")
+    _reported.add(key)
+    sys.stderr.write(line + "\n")
+
+
+def _bad(name: str, value: str, expected: str, used: str) -> None:
+    report_once(name, f"gcpatch: {name}={value!r} is not one of {expected}; using {used}")

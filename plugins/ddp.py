@@ -1,13 +1,16 @@
 """torch DDP: `find_unused_parameters=True` with reentrant checkpointing marks a parameter ready
 twice ("Expected to mark a variable ready only once", trl#4782, accelerate#2017). DDP wraps the
 model after checkpointing was enabled, so the decision is taken again when DDP is built (R4).
-Every rank builds DDP with the same arguments: the re-decision is the same on every rank.
+Every rank builds DDP with the same arguments: the re-decision is the same on every rank, and
+`gcpatch.agreement` checks that every rank's set-up agrees before DDP's own collectives run.
 """
 from __future__ import annotations
 
 import inspect
 from typing import Any
 
+from gcpatch import agreement
+from gcpatch.errors import GcpatchError
 from gcpatch.hookspecs import hookimpl
 from gcpatch.pipeline import redecide_within
 from gcpatch.schema import CRASH, REQUIRED, USE_REENTRANT, Facts, PatchPoint, PluginInfo, Rule, Vote
@@ -43,6 +46,15 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
 def _ddp_init(wrapped: Any, ddp: Any, args: tuple, kwargs: dict) -> Any:
     bound = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
     module = bound.get("module")
+    error = None
     if bound.get("find_unused_parameters") and module is not None:
-        redecide_within(module, "DDP(find_unused_parameters=True) (R4)", find_unused_parameters=True)
+        try:
+            redecide_within(module, "DDP(find_unused_parameters=True) (R4)", find_unused_parameters=True)
+        except GcpatchError as exc:  # strict mode: every rank stops with it, not this one alone
+            error = exc
+    if module is not None:  # DDP's constructor is collective: every rank of the group gets here
+        mesh = bound.get("device_mesh")
+        agreement.agree(module, bound.get("process_group") or (mesh.get_group() if mesh is not None else None), error)
+    elif error is not None:
+        raise error
     return wrapped(*args, **kwargs)

@@ -65,7 +65,7 @@ def test_required_conflict_goes_to_the_worse_failure_with_both_reasons():
     assert "R1" in decision.conflicts[0] and "R3" in decision.conflicts[0]
     with pytest.raises(GcpatchError) as err:
         resolve([R3, R1], "strict")
-    assert err.value.rule == "R3+R1"
+    assert err.value.rule == "R1+R3"  # sorted: never the order plugins voted in
 
 
 def test_warn_mode_only_warns_about_the_eval_mode_fix():
