@@ -64,7 +64,8 @@ RULES = (
     Rule("R6", "checkpointing enabled -> config.use_cache=False", "Axolotl A5"),
 )
 
-INFO = PluginInfo(name="transformers", framework="transformers", versions=">=4.35,<6", rules=RULES)
+INFO = PluginInfo(name="transformers", framework="transformers", versions=">=4.35", rules=RULES,
+                  proven=">=4.35.2,<=5.23.0")
 
 
 @hookimpl
