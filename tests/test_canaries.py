@@ -49,7 +49,9 @@ def expect_source(point: str, release: str, obj: Any, needle: str) -> None:
 
 
 def expect_attr(point: str, release: str, owner: Any, name: str) -> Any:
-    value = inspect.getattr_static(owner, name, None)
+    # classes: the attribute itself, not a descriptor's result; modules: getattr, as lazy modules
+    # (trl, transformers) resolve their exports in __getattr__
+    value = getattr(owner, name, None) if inspect.ismodule(owner) else inspect.getattr_static(owner, name, None)
     if value is None:
         raise CanaryFailure(f"canary {point} on {release}: {getattr(owner, '__name__', owner)}.{name} is gone")
     return getattr(owner, name)
