@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cells == "ci":
             chosen = [supported[0], next(r for r in rows if r["transformers"] == "4.57.6"), rows[-1]]
         else:
-            wanted = args.cells.split(",")
-            chosen = [r for r in rows if r["transformers"] in wanted]
+            by_version = {r["transformers"]: r for r in rows}
+            chosen = [by_version[v] for v in args.cells.split(",")]  # in the order given
         columns = {"core": CORE, "full": [n for n, _, _ in RULES]}.get(args.tests) or args.tests.split(",")
         logs = envs_dir() / "logs"
         logs.mkdir(parents=True, exist_ok=True)
