@@ -25,6 +25,13 @@ V5 = TRANSFORMERS.major >= 5
 PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
 
 
+def reentrant(value: object) -> object:
+    """The use_reentrant a checkpointed layer runs with. 'unset' (the Trainer of 4.35-4.4x passes
+    `gradient_checkpointing_kwargs={}`, so the layers get no keyword) is torch's own default: True on
+    torch 2.13 (torch/utils/checkpoint.py: `if use_reentrant is None: warn; use_reentrant = True`)."""
+    return True if value == "unset" else value
+
+
 def plugin_range(plugin: str) -> str:
     """The framework range a built-in plugin declares (`versions=` of its PluginInfo), read from its
     source so that this process never imports (and so never activates) gcpatch."""

@@ -89,10 +89,10 @@ def base_env(log: Path) -> Path:
 
 def cell_reqs(row: dict[str, str]) -> list[str]:
     return [f"transformers=={row['transformers']}", f"peft=={row['peft']}", f"trl=={row['trl']}",
-            f"accelerate=={row['accelerate']}", "datasets>=2.18",
+            f"accelerate=={row['accelerate']}", "datasets>=2.18"] + (
             # accelerate < 1.0 pins numpy < 2, and newer pyarrow (datasets) refuses numpy 1.x at import
             # time without declaring it: keep pyarrow where both numpy generations work
-            "pyarrow<21"]
+            ["pyarrow<21"] if int(row["accelerate"].split(".")[0]) < 1 else [])
 
 
 def cell_env(row: dict[str, str], base: Path, log: Path) -> tuple[Path | None, str]:
