@@ -49,8 +49,8 @@ def _doctor(import_frameworks: bool) -> int:
         info = status.info
         where = f" {info.framework} {status.framework_version or '-'} (supports {info.versions})" if info else ""
         if info and info.proven:
-            where += f" proven {info.proven}: {'UNTESTED release' if status.untested else 'in range'}" \
-                if status.framework_version else f" proven {info.proven}"
+            verdict = ("UNTESTED release" if status.untested else "in range") if status.state == "active" else ""
+            where += f" proven {info.proven}" + (f": {verdict}" if verdict else "")
         print(f"  {status.name}: {status.state}{where}{' - ' + status.why if status.why else ''}")
         for point in status.patch_points:
             key = (point.module, point.target)
