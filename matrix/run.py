@@ -4,6 +4,7 @@ table matrix/RESULTS.md (release x rule -> pass / skip with reason / fail / not 
 
     python matrix/run.py                      # every cell, the core selection
     python matrix/run.py --cells 4.43.4,5.17.0 --tests full
+    python matrix/run.py --cells none --pythons 3.9,3.10,3.12,3.13   # the framework-free suite there
     python matrix/run.py --render             # only re-render RESULTS.md from results.json
 
 Environments live outside the repository (default /work/matrix-envs, or $GCPATCH_MATRIX_ENVS) and
@@ -11,7 +12,8 @@ are reused between runs: one base venv holds torch 2.13 (CPU) and the test tools
 a small venv that sees the base through a .pth file and holds only its own transformers, peft,
 trl and accelerate. A cell is rebuilt only when its pins change. gcpatch itself is built once per
 run and installed into each cell (--no-deps --force-reinstall), as the integration tests need.
-Runs on Python 3.11 (the only Python torch 2.13's CPU wheel exists for, see README).
+The cells run on Python 3.11 (the only Python torch 2.13's CPU wheel exists for, see README); other
+Pythons run the framework-free suite (--pythons).
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ def smoke(venv: Path, log: Path) -> str:
 
 
 def build_gcpatch(log: Path) -> Path:
-    out = envs_dir() / "wheel"
+    out = envs_dir() / f"wheel-{os.getpid()}"  # one per run: runs may overlap
     shutil.rmtree(out, ignore_errors=True)
     proc = sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)], log)
     if proc.returncode:
@@ -172,6 +174,50 @@ def run_cell(row: dict[str, str], columns: list[str], wheel: Path, base: Path, l
     return cell
 
 
+FRAMEWORK_FREE = ["tests/test_activation.py", "tests/test_resolve.py", "tests/test_version_ranges.py",
+                  "tests/test_canaries.py", "tests/test_plugin_failures.py", "tests/test_patch_points.py",
+                  "tests/test_matrix_table.py"]
+
+
+def interpreter(version: str) -> str | None:
+    """Python `version` (e.g. "3.9"): $GCPATCH_PY39 as in tox.ini, else pyenv's newest of that minor."""
+    found = os.environ.get("GCPATCH_PY" + version.replace(".", ""))
+    if found:
+        return found
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates = sorted(root.glob(f"{version}.*/bin/python{version}"))
+    return str(candidates[-1]) if candidates else shutil.which(f"python{version}")
+
+
+def run_python_cell(version: str, wheel: Path, logs: Path) -> dict:
+    """The framework-free suite on another Python (no torch 2.13 CPU build exists for it)."""
+    log = logs / f"py{version}.log"
+    log.unlink(missing_ok=True)
+    cell = {"python": version, "torch": "none (no CPU build on the registry)",
+            "what": "framework-free suite: " + ", ".join(f"`{f.split('/')[-1]}`" for f in FRAMEWORK_FREE)}
+    exe = interpreter(version)
+    if exe is None:
+        return {**cell, "result": "not run: interpreter not found"}
+    venv = envs_dir() / f"py{version}"
+    if not (venv / "bin" / "python").exists():
+        sh([exe, "-m", "venv", str(venv)], log)
+    sh([str(venv / "bin" / "pip"), "install", "-q", "pytest>=7", "hypothesis", "wrapt", "pluggy", "packaging"], log)
+    sh([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], log)
+    junit = logs / f"py{version}.xml"
+    proc = sh([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+               *FRAMEWORK_FREE], log, timeout=1800, cwd=ROOT)
+    exact = sh([str(venv / "bin" / "python"), "-c", "import sys; print(sys.version.split()[0])"]).stdout.strip()
+    counts = {"pass": 0, "skip": 0, "fail": 0}
+    if junit.exists():
+        for case in ET.parse(junit).iter("testcase"):
+            tags = {child.tag for child in case}
+            counts["fail" if tags & {"failure", "error"} else "skip" if "skipped" in tags else "pass"] += 1
+    result = f"{counts['pass']} passed, {counts['skip']} skipped (framework tests: not installed), {counts['fail']} failed"
+    if not junit.exists():
+        result = f"not run: pytest exited {proc.returncode}"
+    return {**cell, "python": exact or version, "result": result}
+
+
 def summarise(junit: Path, columns: list[str]) -> dict[str, dict]:
     """{column: {"state": pass|skip|fail, ...}} from pytest's JUnit XML."""
     cases: dict[str, list[tuple[str, str, str]]] = {}
@@ -203,6 +249,14 @@ def summarise(junit: Path, columns: list[str]) -> dict[str, dict]:
         else:
             out[name] = {"state": "skip", "detail": sorted({c[2] for c in skips})[0]}
     return out
+
+
+def save(key: str, value: object) -> dict:
+    """Merge one cell into results.json as it is on disk now (another run may have written since)."""
+    results = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
+    results[key] = value
+    RESULTS_JSON.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    return results
 
 
 def render(results: dict) -> str:
@@ -253,15 +307,21 @@ def render(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", default="all", help="'all', 'ci' (oldest, 4.57.6, newest) or versions, comma-separated")
+    parser.add_argument("--cells", default="all",
+                        help="'all', 'ci' (oldest, 4.57.6, newest), 'none', or versions, comma-separated")
     parser.add_argument("--tests", default="core", help="'core', 'full' or column names, comma-separated")
+    parser.add_argument("--pythons", default="", help="other Pythons for the framework-free suite, e.g. 3.9,3.10,3.12,3.13 "
+                        "(with --cells all: these four unless given)")
     parser.add_argument("--render", action="store_true", help="only re-render RESULTS.md")
     args = parser.parse_args(argv)
     results = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
+    pythons = [p for p in (args.pythons or ("3.9,3.10,3.12,3.13" if args.cells == "all" else "")).split(",") if p]
     if not args.render:
         rows = releases()
         supported = [r for r in rows if r["status"] != "unsupported"]
-        if args.cells == "all":
+        if args.cells == "none":
+            chosen = []
+        elif args.cells == "all":
             chosen = rows
         elif args.cells == "ci":
             chosen = [supported[0], next(r for r in rows if r["transformers"] == "4.57.6"), rows[-1]]
@@ -275,13 +335,21 @@ def main(argv: list[str] | None = None) -> int:
         wheel = build_gcpatch(logs / "wheel.log")
         for row in chosen:
             cell = run_cell(row, columns, wheel, base, logs)
-            previous = results.get(row["transformers"], {}).get("rules", {})
+            on_disk = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
+            previous = on_disk.get(row["transformers"], {}).get("rules", {})
             cell["rules"] = {**previous, **cell["rules"]} if not cell.get("unsupported") else {}
-            results[row["transformers"]] = cell
-            RESULTS_JSON.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+            results = save(row["transformers"], cell)
             states = {k: v["state"] for k, v in cell["rules"].items()}
             print(f"transformers {row['transformers']}: {cell.get('unsupported') or states} ({cell['wall_s']} s)",
                   flush=True)
+        if pythons:
+            for version in pythons:
+                cell = run_python_cell(version, wheel, logs)
+                print(f"python {version}: {cell['result']}", flush=True)
+                on_disk = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
+                done = {p["python"].rsplit(".", 1)[0]: p for p in on_disk.get("_python", [])}
+                done[version] = cell
+                results = save("_python", [done[k] for k in sorted(done, key=lambda v: tuple(map(int, v.split("."))))])
     RESULTS_MD.write_text(render(results))
     failed = [v for k, v in results.items() if not k.startswith("_")
               for r in v.get("rules", {}).values() if r["state"] == "fail"]

@@ -44,7 +44,19 @@ def checkpointed(model) -> dict:
             "use_reentrant": c.checkpoint_use_reentrant(model)}
 
 
+def host_memory_unpinned() -> None:
+    """transformers' offloading checkpointer (5.17+) calls save_on_cpu(pin_memory=True), which a
+    CPU-only torch cannot allocate. Both runs (plain and gcpatch) get it unpinned, so the training
+    step runs here; what is compared is which arguments reach the layers."""
+    import transformers.modeling_utils as mu
+
+    original = getattr(mu, "save_on_cpu", None)
+    if original is not None:
+        mu.save_on_cpu = lambda pin_memory=False, device_type=None: original(pin_memory=False, device_type=device_type)
+
+
 def main() -> None:
+    host_memory_unpinned()
     parser = argparse.ArgumentParser()
     parser.add_argument("--path", choices=("call", "trainer"), required=True)
     args = parser.parse_args()
