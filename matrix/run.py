@@ -256,6 +256,7 @@ def save(key: str, value: object) -> dict:
     results = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
     results[key] = value
     RESULTS_JSON.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    RESULTS_MD.write_text(render(results))  # the two files always agree (tests/test_matrix_table.py)
     return results
 
 
