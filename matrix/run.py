@@ -260,6 +260,12 @@ def save(key: str, value: object) -> dict:
     return results
 
 
+def _clean(text: str, limit: int = 140) -> str:
+    """One table-safe line."""
+    text = " ".join(str(text).split()).replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def render(results: dict) -> str:
     rows = releases()
     lines = [
@@ -284,7 +290,7 @@ def render(results: dict) -> str:
             lines.append(head + " not run |" * len(names) + " |")
             continue
         if cell.get("unsupported"):
-            lines.append(head + f" **unsupported on torch {cell['torch']}**: {cell['unsupported']} |"
+            lines.append(head + f" **unsupported on torch {cell['torch']}**: {_clean(cell['unsupported'])} |"
                          + " |" * (len(names) - 1) + f" {cell['wall_s']:.0f} s |")
             continue
         parts = []
@@ -293,16 +299,16 @@ def render(results: dict) -> str:
             if r is None or r["state"] == "not run":
                 parts.append("not run")
             elif r["state"] == "pass":
-                parts.append(f"pass ({r['n']})" + (" +skip: " + "; ".join(r["skipped"]) if r["skipped"] else ""))
+                parts.append(f"pass ({r['n']})" + ("; skip: " + _clean("; ".join(r["skipped"]), 200) if r["skipped"] else ""))
             elif r["state"] == "skip":
-                parts.append(f"skip: {r['detail']}")
+                parts.append(f"skip: {_clean(r['detail'])}")
             else:
-                parts.append(f"**FAIL** ({r['n']}/{r['of']}): {r['detail']}")
-        lines.append(head + "".join(f" {p.replace('|', '/')} |" for p in parts) + f" {cell['wall_s']:.0f} s |")
+                parts.append(f"**FAIL** ({r.get('n', '?')}/{r.get('of', '?')}): {_clean(r['detail'])}")
+        lines.append(head + "".join(f" {p} |" for p in parts) + f" {cell['wall_s']:.0f} s |")
     extra = results.get("_python")
     if extra:
         lines += ["", "## Other Pythons", "", "| python | torch | what ran | result |", "|---|---|---|---|"]
-        lines += [f"| {p['python']} | {p['torch']} | {p['what']} | {p['result']} |" for p in extra]
+        lines += [f"| {p['python']} | {p['torch']} | {p['what']} | {_clean(p['result'])} |" for p in extra]
     return "\n".join(lines) + "\n"
 
 
