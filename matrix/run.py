@@ -204,8 +204,10 @@ def run_python_cell(version: str, wheel: Path, logs: Path) -> dict:
     sh([str(venv / "bin" / "pip"), "install", "-q", "pytest>=7", "hypothesis", "wrapt", "pluggy", "packaging"], log)
     sh([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], log)
     junit = logs / f"py{version}.xml"
+    # results.json changes while the matrix runs: whether RESULTS.md matches it is checked by tox, not here
+    stale = "--deselect=tests/test_matrix_table.py::test_committed_results_table_is_the_rendered_results"
     proc = sh([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-               *FRAMEWORK_FREE], log, timeout=1800, cwd=ROOT)
+               stale, *FRAMEWORK_FREE], log, timeout=1800, cwd=ROOT)
     exact = sh([str(venv / "bin" / "python"), "-c", "import sys; print(sys.version.split()[0])"]).stdout.strip()
     counts = {"pass": 0, "skip": 0, "fail": 0}
     if junit.exists():
