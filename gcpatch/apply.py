@@ -204,9 +204,15 @@ def _sync_modes(layers: list[weakref.ref], kwargs: dict[str, Any]) -> None:
 
 
 # Reads of `self.training` that do not change what a legacy model computes: the checkpoint
-# decision itself, and the SDPA causal-mask shortcut, which eager mode takes either way
-# (transformers 4.51 modeling_attn_mask_utils._ignore_causal_mask_sdpa: `is_training or not is_tracing`).
-_NEUTRAL_TRAINING_READS = ("gradient_checkpointing", "is_training=self.training")
+# decision itself, the SDPA causal-mask shortcut, which eager mode takes either way
+# (transformers 4.51 modeling_attn_mask_utils._ignore_causal_mask_sdpa: `is_training or not is_tracing`),
+# and the legacy-cache conversion of transformers 4.43-4.44 (`LlamaModel.forward` and its copies:
+# `use_cache and not isinstance(past_key_values, Cache) and not self.training`): it follows
+# `if self.gradient_checkpointing and self.training and use_cache: use_cache = False`, so with the
+# flag R5 sets, `use_cache` is already off there (the cache a checkpointed forward drops in train
+# mode too; R6 turns it off anyway) and the logits and gradients are those of the user's mode.
+_NEUTRAL_TRAINING_READS = ("gradient_checkpointing", "is_training=self.training",
+                           "not isinstance(past_key_values, Cache) and not self.training")
 
 
 def _reads_training_only_to_checkpoint(module: Any) -> bool:

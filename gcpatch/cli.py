@@ -52,6 +52,9 @@ def _doctor(import_frameworks: bool) -> int:
     for status in host.statuses:
         info = status.info
         where = f" {info.framework} {status.framework_version or '-'} (supports {info.versions})" if info else ""
+        if info and info.proven:
+            verdict = ("UNTESTED release" if status.untested else "in range") if status.state == "active" else ""
+            where += f" proven {info.proven}" + (f": {verdict}" if verdict else "")
         print(f"  {status.name}: {status.state}{where}{' - ' + status.why if status.why else ''}")
         for point in status.patch_points:
             key = (point.module, point.target)

@@ -47,6 +47,7 @@ class PluginStatus:
     info: PluginInfo | None = None
     framework_version: str | None = None
     patch_points: list[PatchPoint] = field(default_factory=list)
+    untested: bool = False  # inside the supported range, outside the range the version matrix proves
 
 
 class PluginHost:
@@ -98,6 +99,9 @@ class PluginHost:
             status.state = "skipped"
             status.why = f"{info.framework} {installed} is outside the supported range {info.versions}"
             log.error("gcpatch: plugin %s skipped: %s", name, status.why)
+        elif info.proven and not _in_range(installed, info.proven):
+            status.untested = True
+            _say_untested(info.framework, installed, info.proven)
         if status.state != "active":
             self._unregister(name)
             self.statuses.append(status)
@@ -200,7 +204,7 @@ def builtin_infos() -> list[tuple[str, PluginInfo]]:
     """(entry-point name, PluginInfo) of every built-in plugin, whether its framework is installed
     or not: what the generated rules document lists."""
     found = []
-    for ep in sorted(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=_builtin_first):
+    for ep in sorted(_entry_points(hookspecs.ENTRY_POINT_GROUP), key=_builtin_first):
         if ep.value.startswith("gcpatch_plugins."):
             found.append((ep.name, ep.load().gcpatch_plugin_info()))
     return found
@@ -307,6 +311,26 @@ def _dist_name(dist: metadata.Distribution) -> str:
 def _builtin_first(ep: metadata.EntryPoint) -> tuple[int, str]:
     # Built-ins load and log first; the resolver's outcome does not depend on this order.
     return (0 if ep.value.startswith("gcpatch_plugins.") else 1, ep.name)
+
+
+def _entry_points(group: str) -> list[metadata.EntryPoint]:
+    """`entry_points(group=...)` is Python >= 3.10; 3.9 returns a dict of groups."""
+    found = metadata.entry_points()
+    if hasattr(found, "select"):
+        return list(found.select(group=group))
+    return list(found.get(group, ()))  # type: ignore[union-attr]
+
+
+_untested_said: set[tuple[str, str]] = set()
+
+
+def _say_untested(framework: str, version: str, proven: str) -> None:
+    """Once per process and release: the plugin runs, but no matrix cell proves this release."""
+    if (framework, version) in _untested_said:
+        return
+    _untested_said.add((framework, version))
+    log.warning("gcpatch: untested %s %s (the version matrix proves %s); gcpatch keeps working where it can "
+                "and falls back to %s's own behaviour where it cannot", framework, version, proven, framework)
 
 
 def _installed_version(dist: str) -> str | None:

@@ -65,8 +65,11 @@ class PluginInfo:
 
     name: str
     framework: str  # the distribution whose version is checked, e.g. "transformers"
-    versions: str  # a PEP 440 specifier, e.g. ">=4.41,<6"
+    versions: str  # a PEP 440 specifier, e.g. ">=4.41,<6": outside it the plugin cannot work and is skipped
     rules: tuple[Rule, ...] = ()
+    # the releases the version matrix proves (matrix/RESULTS.md); inside `versions` but outside this,
+    # the plugin still runs (fail-open) and says once "untested <framework> <version>"
+    proven: str = ""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,40 @@ TIMEOUT_S = 300
 
 TRANSFORMERS = Version(metadata.version("transformers"))
 V5 = TRANSFORMERS.major >= 5
+PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
+
+
+def reentrant(value: object) -> object:
+    """The use_reentrant a checkpointed layer runs with. 'unset' (the Trainer of 4.35-4.4x passes
+    `gradient_checkpointing_kwargs={}`, so the layers get no keyword) is torch's own default: True on
+    torch 2.13 (torch/utils/checkpoint.py: `if use_reentrant is None: warn; use_reentrant = True`)."""
+    return True if value == "unset" else value
+
+
+def plugin_range(plugin: str) -> str:
+    """The framework range a built-in plugin declares (`versions=` of its PluginInfo), read from its
+    source so that this process never imports (and so never activates) gcpatch."""
+    import ast
+
+    for node in ast.walk(ast.parse((PLUGINS / f"{plugin}.py").read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "PluginInfo":
+            return next(k.value.value for k in node.keywords if k.arg == "versions")
+    raise LookupError(f"no PluginInfo in plugins/{plugin}.py")
+
+
+def outside_plugin_range(plugin: str, dist: str | None = None) -> str:
+    """Why the rules of `plugin` do not apply on the installed release ('' when they do): below its
+    declared range gcpatch skips the plugin, so its integration tests are skipped with this reason."""
+    from packaging.specifiers import SpecifierSet
+
+    dist = dist or plugin
+    try:
+        installed = Version(metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        return f"{dist} not installed"
+    spec = plugin_range(plugin)
+    return "" if installed in SpecifierSet(spec) else \
+        f"{dist} {installed} is outside the {plugin} plugin's range {spec}: gcpatch skips the plugin there"
 
 
 # How a script is started: a plain interpreter, `torch.distributed.run --nproc_per_node=2` (gloo,

@@ -52,6 +52,8 @@ def script_runs(request, tmp_path_factory) -> ScriptRuns:
         if module is not None and module not in seen:
             seen.append(module)
     for module in seen:
+        if getattr(module, "OUT_OF_RANGE", ""):  # skipped on this release, with that reason: nothing to run
+            continue
         for spec in getattr(module, "RUNS", ()):
             runs.submit(spec)
             runs.submit(spec.plain())

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain, enable_records
-from _run import Spec
+from packaging.version import Version
+
+from _run import TRANSFORMERS, Spec
 
 SCRIPT = "eval_mode_gpt2.py"
 GENERATE = "eval_mode_generate.py"
 RUNS = [Spec(SCRIPT), Spec(GENERATE)]
 LAYERS = 4
+# Which modules hold the checkpoint flag R5 sets: each layer from 4.52 on (GradientCheckpointingLayer),
+# the loop owner (GPT2Model, "transformer") before.
+LEGACY = TRANSFORMERS < Version("4.52")
+FLAGGED = ["transformer"] if LEGACY else [f"transformer.h.{i}" for i in range(LAYERS)]
+FIXED = len(FLAGGED)
 
 
 def test_eval_mode_model_checkpoints_and_saves_memory_like_train_mode(script_runs):
@@ -34,7 +41,7 @@ def test_eval_mode_fix_leaves_dropout_off_and_results_exact(script_runs):
     assert r["grads_wrong"] == 0
     assert r["model_training"] is False  # the model itself is still in eval mode
     # what R5 changes: the checkpointed layers' own flag, and nothing else
-    assert r["modules_training_flag_changed"] == [f"transformer.h.{i}" for i in range(LAYERS)]
+    assert r["modules_training_flag_changed"] == FLAGGED
 
 
 def test_plain_eval_mode_checkpointing_saves_nothing(script_runs):
@@ -54,12 +61,12 @@ def test_r5_decision_is_recorded_at_first_forward_and_explained(script_runs):
     assert len(first) == 1, records  # only the eval-mode model: the train-mode one needs no fix
     rec = first[0]
     assert rec["rules"] == ["R5"]
-    assert rec["applied"] == {"eval_mode_fix": LAYERS}
+    assert rec["applied"] == {"eval_mode_fix": FIXED}
     assert rec["why"]["eval_mode_fix"].startswith("R5:")
-    assert rec["facts"]["layers_in_eval_mode"] == LAYERS and rec["facts"]["grad_enabled"] is True
+    assert rec["facts"]["layers_in_eval_mode"] == FIXED and rec["facts"]["grad_enabled"] is True
     assert len(enable_records(run)) == 2  # the eval-mode model and the train-mode model
-    assert any("R5" in line and f"eval_mode_fix={LAYERS}" in line for line in run.gcpatch_lines()), run.stderr
-    assert_explained(run, "R5", f"eval_mode_fix={LAYERS}")
+    assert any("R5" in line and f"eval_mode_fix={FIXED}" in line for line in run.gcpatch_lines()), run.stderr
+    assert_explained(run, "R5", f"eval_mode_fix={FIXED}")
 
 
 def test_generate_after_eval_mode_fix_matches_the_unpatched_model(script_runs):

@@ -15,7 +15,10 @@ pytest.importorskip("peft")
 
 from _asserts import (assert_explain_lists_every_decision, assert_installed_gcpatch_ran, assert_plain,  # noqa: E402
                       enable_records, final_enable_record, winner)
-from _run import Spec  # noqa: E402
+from _run import Spec, outside_plugin_range  # noqa: E402
+
+OUT_OF_RANGE = outside_plugin_range("peft")
+pytestmark = pytest.mark.skipif(bool(OUT_OF_RANGE), reason=OUT_OF_RANGE)
 
 SCRIPT = "lora_embeds.py"
 ORDERS = ("before", "after")

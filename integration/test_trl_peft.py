@@ -20,7 +20,10 @@ pytest.importorskip("datasets")
 
 from _asserts import (assert_explain_lists_every_decision, assert_installed_gcpatch_ran, assert_plain,  # noqa: E402
                       enable_records, final_enable_record, winner)
-from _run import V5, Spec  # noqa: E402
+from _run import V5, Spec, outside_plugin_range  # noqa: E402
+
+OUT_OF_RANGE = outside_plugin_range("peft") or outside_plugin_range("trl")
+pytestmark = pytest.mark.skipif(bool(OUT_OF_RANGE), reason=OUT_OF_RANGE)
 
 SCRIPT = "trl_peft.py"
 RUNS = [Spec(SCRIPT, ("--trainer", t)) for t in ("sft", "dpo")]

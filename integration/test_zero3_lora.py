@@ -20,9 +20,10 @@ from packaging.version import Version  # noqa: E402
 
 from _asserts import (assert_explain_lists_every_decision, assert_installed_gcpatch_ran, assert_plain,  # noqa: E402
                       final_enable_record, winner)
-from _run import V5, Spec  # noqa: E402
+from _run import V5, Spec, outside_plugin_range  # noqa: E402
 
-pytestmark = pytest.mark.zero3
+OUT_OF_RANGE = outside_plugin_range("peft")
+pytestmark = [pytest.mark.zero3, pytest.mark.skipif(bool(OUT_OF_RANGE), reason=OUT_OF_RANGE)]
 
 SCRIPT = "zero3_lora.py"
 LAUNCH = "deepspeed1"

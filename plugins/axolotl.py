@@ -30,7 +30,7 @@ RULES = (
     Rule("A5", "checkpointing implies use_cache=False: applied at enable time by R6", "Axolotl"),
 )
 
-INFO = PluginInfo(name="axolotl", framework="axolotl", versions=">=0.10,<1", rules=RULES)
+INFO = PluginInfo(name="axolotl", framework="axolotl", versions=">=0.10,<1", rules=RULES, proven="==0.19.*")
 
 
 @hookimpl

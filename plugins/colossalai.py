@@ -19,7 +19,7 @@ RULES = (
          "e.g. ChatGLM)", "ColossalAI #5507"),
 )
 
-INFO = PluginInfo(name="colossalai", framework="colossalai", versions=">=0.4,<0.6", rules=RULES)
+INFO = PluginInfo(name="colossalai", framework="colossalai", versions=">=0.4,<0.6", rules=RULES, proven="==0.5.*")
 
 
 @hookimpl

@@ -20,7 +20,7 @@ RULES = (
          "torch/nn/parallel/distributed.py; trl#4782, accelerate#2017, TRL T4"),
 )
 
-INFO = PluginInfo(name="ddp", framework="torch", versions=">=2.0", rules=RULES)
+INFO = PluginInfo(name="ddp", framework="torch", versions=">=2.0", rules=RULES, proven="==2.13.*")
 
 
 @hookimpl

@@ -25,7 +25,7 @@ RULES = (
          "Axolotl A3", f"deepspeed<{FIRST_FIXED}"),
 )
 
-INFO = PluginInfo(name="deepspeed", framework="deepspeed", versions=">=0.9", rules=RULES)
+INFO = PluginInfo(name="deepspeed", framework="deepspeed", versions=">=0.9", rules=RULES, proven=">=0.18.9,<=0.19.3")
 
 
 @hookimpl

@@ -25,7 +25,8 @@ RULES = (
          "decides again with the adapter in place, so both orders end the same", "transformers#26334, #25841"),
 )
 
-INFO = PluginInfo(name="peft", framework="peft", versions=">=0.10,<1", rules=RULES)
+INFO = PluginInfo(name="peft", framework="peft", versions=">=0.10,<1", rules=RULES,
+                  proven=">=0.10,<=0.21.2")
 
 
 @hookimpl

@@ -64,7 +64,8 @@ RULES = (
     Rule("R6", "checkpointing enabled -> config.use_cache=False", "Axolotl A5"),
 )
 
-INFO = PluginInfo(name="transformers", framework="transformers", versions=">=4.35,<6", rules=RULES)
+INFO = PluginInfo(name="transformers", framework="transformers", versions=">=4.35", rules=RULES,
+                  proven=">=4.35.2,<=5.23.0")
 
 
 @hookimpl
@@ -149,10 +150,18 @@ def _stacks_without_input_grads(facts: Facts) -> str:
 
 
 def _enable_v4(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
-    # gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None)
-    asked = args[0] if args else kwargs.get("gradient_checkpointing_kwargs")
+    # gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None), and on 5.17-5.22
+    # (..., every_n_layers=1, offload=False): every other argument of the user's call is passed
+    # through unchanged, on the call and on every replay (re-decision, Trainer re-enable).
+    rest = dict(kwargs)
+    asked = args[0] if args else rest.pop("gradient_checkpointing_kwargs", None)
+    more = args[1:]
+
+    def replay(target: Any, chosen: Any) -> Any:
+        return target.gradient_checkpointing_enable(chosen, *more, **rest)
+
     return run_enable(_call(model, "gradient_checkpointing_enable", asked, "gradient_checkpointing_kwargs",
-                            lambda chosen: wrapped(gradient_checkpointing_kwargs=chosen), _replay_v4))
+                            lambda chosen: wrapped(chosen, *more, **rest), replay))
 
 
 def _enable_v5(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
@@ -190,10 +199,6 @@ def _public_name_called() -> str:
     return "activation_checkpointing_enable"
 
 
-def _replay_v4(model: Any, chosen: Any) -> Any:
-    return model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=chosen)
-
-
 def _call(model: Any, api: str, asked: Any, kwarg_name: str, invoke: Any, replay: Any) -> EnableCall:
     trainer = _trainer.get()
     trainer_name = f"{type(trainer).__module__}.{type(trainer).__name__}" if trainer is not None else ""
@@ -213,7 +218,8 @@ def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:
     field = "activation_checkpointing_kwargs" if hasattr(args, "activation_checkpointing_kwargs") else \
         "gradient_checkpointing_kwargs"
     if not asked:
-        return asked, f"nothing (TrainingArguments.{field} unset)"
+        named = "names no use_reentrant" if getattr(args, field, None) else "unset"
+        return asked, f"nothing (TrainingArguments.{field} {named})"
     user = getattr(args, _USER_KWARGS, None)
     if user is not None and "use_reentrant" in asked and "use_reentrant" not in user:
         rest = {k: v for k, v in asked.items() if k != "use_reentrant"}

@@ -23,7 +23,7 @@ RULES = (
          "Axolotl A4 (utils/schemas/validation.py), trl#3089"),
 )
 
-INFO = PluginInfo(name="trl", framework="trl", versions=">=0.12", rules=RULES)
+INFO = PluginInfo(name="trl", framework="trl", versions=">=0.12", rules=RULES, proven=">=0.12,<=1.16.0")
 
 
 @hookimpl

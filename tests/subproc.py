@@ -43,4 +43,16 @@ def transformers_major() -> int | None:
         return None
 
 
+def transformers_version():
+    """The installed transformers release (packaging Version), or None."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    try:
+        return Version(metadata.version("transformers"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
 requires_transformers = pytest.mark.skipif(transformers_major() is None, reason="transformers not installed")

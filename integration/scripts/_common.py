@@ -84,6 +84,27 @@ def checkpoint_use_reentrant(model):
     return found[0] if len(found) == 1 else found
 
 
+class FirstStepProbe(torch.optim.SGD):
+    """An lr=0 SGD handed to the Trainer (`optimizers=(probe, None)`): at its first step, before it
+    touches anything, it records the trainable gradients and the use_reentrant the layers hold.
+    The Trainer calls the optimizer on every release (its on_pre_optimizer_step callback came later
+    than 4.35)."""
+
+    def __init__(self, model) -> None:
+        super().__init__([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        self.model = model
+        self.grads = None
+        self.use_reentrant = None
+        self.grad_none = None
+
+    def step(self, closure=None):
+        if self.grads is None:
+            self.grads = trainable_grads(self.model)
+            self.use_reentrant = checkpoint_use_reentrant(self.model)
+            self.grad_none = sum(1 for g in self.grads.values() if g is None)
+        return super().step(closure)
+
+
 def gcpatch_seen() -> dict:
     """Whether gcpatch is loaded in this interpreter (by the start-up hook, never by this script)
     and from where, so a test can prove it exercised the installed copy."""

@@ -6,8 +6,12 @@ of the same seed: eval mode without checkpointing, eval mode with checkpointing,
 with checkpointing. Checkpointing that works in eval mode saves about what it saves in train
 mode; checkpointing that silently does nothing saves what no checkpointing saves.
 
-usage: eval_mode_gpt2.py
+With `--model llama`, a 4-layer Llama with attention dropout: on transformers < 4.52 its loop
+owner (LlamaModel) holds the checkpoint flag and its forward reads `self.training` elsewhere too.
+
+usage: eval_mode_gpt2.py [--model gpt2|llama]
 """
+import argparse
 import warnings
 
 import torch
@@ -35,15 +39,28 @@ def dropout_flags(model):
     return [m.training for m in model.modules() if isinstance(m, nn.Dropout)]
 
 
+def llama4(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=c.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1,
+                                        tie_word_embeddings=False))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
+    args = parser.parse_args()
+    build = c.gpt2 if args.model == "gpt2" else llama4
     warnings.filterwarnings("ignore")
     ids = c.input_ids(batch=2)
 
-    ref = c.gpt2().eval()
+    ref = build().eval()
     ref_loss, ref_saved = forward_backward(ref, ids)
     ref_grads = c.trainable_grads(ref)
 
-    model = c.gpt2().eval()
+    model = build().eval()
     before = dropout_flags(model)
     modes_before = {name: m.training for name, m in model.named_modules()}
     model.gradient_checkpointing_enable()
@@ -52,12 +69,12 @@ def main() -> None:
     changed = sorted(name for name, m in model.named_modules() if m.training != modes_before[name])
     grads = c.compare_grads(c.trainable_grads(model), ref_grads)
 
-    train = c.gpt2().train()
+    train = build().train()
     train.gradient_checkpointing_enable()
     _, train_saved = forward_backward(train, ids)
 
     c.emit({
-        "scenario": "eval_mode_gpt2",
+        "scenario": f"eval_mode_{args.model}",
         "saved_bytes_eval_nogc": ref_saved["bytes"],
         "saved_bytes_eval_gc": saved["bytes"],
         "saved_bytes_train_gc": train_saved["bytes"],

@@ -1,6 +1,6 @@
 """Scenario b: the partially frozen Llama trained through transformers.Trainer with
 TrainingArguments(gradient_checkpointing=True) and no checkpointing kwargs. The first step's
-gradients (captured in on_pre_optimizer_step, before the optimizer touches anything) are
+gradients (captured by the optimizer's first step, before it touches anything) are
 compared with those of the same Trainer set-up without checkpointing, on the same batch.
 
 usage: frozen_llama_trainer.py
@@ -9,7 +9,7 @@ import tempfile
 import warnings
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 import _common as c
 
@@ -28,30 +28,18 @@ class Batch(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
-class FirstStepGrads(TrainerCallback):
-    def __init__(self) -> None:
-        self.grads = None
-        self.use_reentrant = None
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.grads is None:
-            model = kwargs["model"]
-            self.grads = c.trainable_grads(model)
-            self.use_reentrant = c.checkpoint_use_reentrant(model)
-
-
-def train_one_step(checkpointing: bool, ids: torch.Tensor) -> FirstStepGrads:
+def train_one_step(checkpointing: bool, ids: torch.Tensor) -> c.FirstStepProbe:
     model = c.llama()
     c.freeze_embeddings_and_first_layer(model)
-    capture = FirstStepGrads()
+    capture = c.FirstStepProbe(model)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, gradient_checkpointing=checkpointing, max_steps=1, per_device_train_batch_size=2,
             report_to=[], use_cpu=True, learning_rate=0.0, max_grad_norm=0.0, save_strategy="no",
             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
         )
-        Trainer(model=model, args=args, train_dataset=Batch(ids), callbacks=[capture]).train()
-    assert capture.grads is not None, "on_pre_optimizer_step never ran"
+        Trainer(model=model, args=args, train_dataset=Batch(ids), optimizers=(capture, None)).train()
+    assert capture.grads is not None, "the optimizer never stepped"
     return capture
 
 

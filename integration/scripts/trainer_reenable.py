@@ -10,7 +10,7 @@ import tempfile
 import warnings
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 import _common as c
 
@@ -26,19 +26,6 @@ class Batch(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
-class SeenInStep(TrainerCallback):
-    """The use_reentrant the layers hold while the first step runs."""
-
-    def __init__(self) -> None:
-        self.use_reentrant = None
-        self.grad_none = None
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        model = kwargs["model"]
-        self.use_reentrant = c.checkpoint_use_reentrant(model)
-        self.grad_none = sum(1 for p in model.parameters() if p.requires_grad and p.grad is None)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--use-reentrant", choices=("true", "false"), required=True)
@@ -49,14 +36,14 @@ def main() -> None:
     model = c.llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": asked})
     before = c.checkpoint_use_reentrant(model)
-    seen = SeenInStep()
+    seen = c.FirstStepProbe(model)
     with tempfile.TemporaryDirectory() as out:
         targs = TrainingArguments(
             output_dir=out, gradient_checkpointing=True, max_steps=1, per_device_train_batch_size=2,
             report_to=[], use_cpu=True, learning_rate=0.0, max_grad_norm=0.0, save_strategy="no",
             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
         )
-        Trainer(model=model, args=targs, train_dataset=Batch(c.input_ids(batch=2)), callbacks=[seen]).train()
+        Trainer(model=model, args=targs, train_dataset=Batch(c.input_ids(batch=2)), optimizers=(seen, None)).train()
     c.emit({
         "scenario": "trainer_reenable",
         "asked_use_reentrant": asked,
