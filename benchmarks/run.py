@@ -1,4 +1,4 @@
-"""gcpatch's benchmark (issue #4): what gcpatch costs, and what checkpointing saves with it.
+"""gcpatch's benchmark: what gcpatch costs, and what checkpointing saves with it.
 
     python benchmarks/run.py            # the full run: writes benchmarks/RESULTS.md, results.png, results.json
     python benchmarks/run.py --smoke --out /tmp/x   # the smallest setting, for the smoke test
@@ -434,7 +434,7 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
     eval_row = next((r for r in s["cases"] if r["setup"] == "eval"), None)
     lines: list[str] = []
     add = lines.append
-    add("# gcpatch benchmarks (issue #4)")
+    add("# gcpatch benchmarks")
     add("")
     add("Reproduce with one command, from the repository root, with an interpreter whose environment has gcpatch, "
         "transformers and (for the plot) matplotlib installed:")
@@ -641,7 +641,7 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
     add("")
     add("## Not measured")
     add("")
-    add("Item 6 of the issue (GPU: peak CUDA memory and step time on a GPU) is not measured: no GPU was "
+    add("GPU figures (peak CUDA memory and step time on a GPU) are not measured: no GPU was "
         "available to this run. The saved-bytes figures above do not depend on the device; the step-time "
         "ratios on a GPU may differ (kernel launch overhead weighs more there).")
     add("")

@@ -1,7 +1,7 @@
 """Installing and removing patch points: lazily on import, exactly once, restored by identity.
 
 wrapt's post-import hooks fire when a module is imported, or at once if it already is, so the
-order of `import gcpatch` and `import transformers` does not matter (issue #3 item 3).
+order of `import gcpatch` and `import transformers` does not matter.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Plugins call `run_enable` from their patch points with an `EnableCall` that know
 the framework's own enable, and `redecide` when a model is wrapped after checkpointing was
 enabled (PEFT, DDP): config-time, enable-time and wrap-time decisions are this one path.
 Anything that fails inside gcpatch runs the call as the user made it and logs one line;
-strict mode raises a GcpatchError instead (issue #3 item 9).
+strict mode raises a GcpatchError instead.
 """
 from __future__ import annotations
 

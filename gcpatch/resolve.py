@@ -1,4 +1,4 @@
-"""Resolving votes into one decision (RULES.md §3).
+"""Resolving votes into one decision.
 
 Per knob the strongest vote wins: required > user > recommended > default. A required vote
 against the user's explicit choice wins in fix mode (with a warning), loses in warn mode

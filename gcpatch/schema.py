@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-# Vote strengths, strongest first (RULES.md §3).
+# Vote strengths, strongest first.
 REQUIRED = "required"
 USER = "user"
 RECOMMENDED = "recommended"
@@ -16,7 +16,7 @@ DEFAULT = "default"
 STRENGTH_ORDER = {REQUIRED: 3, USER: 2, RECOMMENDED: 1, DEFAULT: 0}
 
 # What a required vote avoids; a conflict between required votes goes to the worse failure
-# (RULES.md §3): silent wrong gradients outrank a loud crash, which outranks lost memory.
+# silent wrong gradients outrank a loud crash, which outranks lost memory.
 WRONG_GRADIENTS = "wrong_gradients"
 CRASH = "crash"
 NO_MEMORY_SAVED = "no_memory_saved"
@@ -33,7 +33,7 @@ KNOBS = (USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX, RUN_INLI
 
 @dataclass(frozen=True)
 class Rule:
-    """One row of the rule table: its id matches RULES.md, its source is where the truth lives."""
+    """One row of the rule table: its id is what records and docs/RULES.md cite, its source is where the truth lives."""
 
     id: str
     summary: str
@@ -77,7 +77,7 @@ class Facts:
     """Everything a rule may look at, gathered once per decision.
 
     Only rank-independent facts live here (model layout, launcher environment, versions):
-    a decision that differed between DDP ranks would deadlock (RULES.md §3).
+    a decision that differed between DDP ranks would deadlock.
     """
 
     stage: str  # "enable" | "first_forward"

@@ -48,7 +48,7 @@ def winner(record: dict, knob: str = "use_reentrant") -> str:
 
 
 def assert_explain_lists_every_decision(run: Run) -> str:
-    """`gcpatch explain` (issue #5 item 7): one line per recorded decision, each naming the rule
+    """`gcpatch explain`: one line per recorded decision, each naming the rule
     that chose use_reentrant, for every rank."""
     records = [r for r in run.records() if r.get("stage") == "enable"]
     out = assert_explained(run)

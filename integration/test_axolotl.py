@@ -1,4 +1,4 @@
-"""Issue #6, Axolotl 0.19: `axolotl train cfg.yml --launcher python` on a tiny local Llama + tokenizer
+"""Axolotl 0.19: `axolotl train cfg.yml --launcher python` on a tiny local Llama + tokenizer
 (save_pretrained, built here, no hub) and a 16-row alpaca JSONL, 2 steps, plainly and with GCPATCH=1.
 
 - unfrozen_parameters + use_reentrant: true: Axolotl's validator refuses the config plainly; with
@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("axolotl")
 
 from _asserts import assert_explained  # noqa: E402
-from _issue6 import Pool, build_tiny, report, gcpatch_cli, max_abs_diff, output, run_axolotl, tail, workers  # noqa: E402
+from _framework_runs import Pool, build_tiny, report, gcpatch_cli, max_abs_diff, output, run_axolotl, tail, workers  # noqa: E402
 
 REFUSED_PLAIN = "`use_reentrant` must be false when used with partially frozen model"
 # key: (config, gcpatch, extra env)

@@ -1,4 +1,4 @@
-"""Issue #6, ColossalAI 0.5: LoRA through `booster.enable_lora`, `gradient_checkpointing_enable()` with
+"""ColossalAI 0.5: LoRA through `booster.enable_lora`, `gradient_checkpointing_enable()` with
 no kwargs, `booster.boost`, one step, on CPU (one process, gloo), for TorchDDPPlugin and
 HybridParallelPlugin(tp_size=1, pp_size=1), with and without `model.train()` (scripts/colossalai_lora.py).
 
@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("colossalai")
 
 from _asserts import assert_explained  # noqa: E402
-from _issue6 import Pool, build_tiny, gcpatch_cli, report, run_script_args, tail, workers  # noqa: E402
+from _framework_runs import Pool, build_tiny, gcpatch_cli, report, run_script_args, tail, workers  # noqa: E402
 
 SCRIPT = "colossalai_lora.py"
 PLUGINS = ("ddp", "hybrid")

@@ -1,4 +1,4 @@
-"""Issue #5 item 3: `torch.distributed.run --nproc_per_node=2` (gloo), DDP with
+"""`torch.distributed.run --nproc_per_node=2` (gloo), DDP with
 find_unused_parameters=True around a tiny Llama checkpointed with use_reentrant=True, all-trainable
 and partially frozen (embeddings + layer 0), 2 steps; the reference is the same DDP model without
 checkpointing on the same batches.

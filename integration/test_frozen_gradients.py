@@ -1,4 +1,4 @@
-"""Scenario a (issue #3): a partially frozen Llama checkpointed with use_reentrant=True.
+"""Scenario a (R1): a partially frozen Llama checkpointed with use_reentrant=True.
 
 Plain transformers gives the trainable layer behind the frozen ones no gradient (reentrant
 checkpoint of a block whose inputs need no grad): on 4.57 for input_ids and inputs_embeds, on
@@ -34,7 +34,7 @@ RUNS = [Spec(SCRIPT, ("--api", api, "--input", inp))
 
 
 def plain_lost(api: str, inp: str) -> int:
-    """Gradients the plain run loses on this transformers version (measured, issue #3)."""
+    """Gradients the plain run loses on this transformers version (measured)."""
     if not V5:
         return LOST
     return 0 if inp == "ids" else LOST

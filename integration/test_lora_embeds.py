@@ -1,4 +1,4 @@
-"""Issue #5 item 1 and item 5: LoRA (get_peft_model, r=4, q_proj/v_proj) on a frozen tiny Llama,
+"""LoRA (get_peft_model, r=4, q_proj/v_proj) on a frozen tiny Llama,
 `use_reentrant=True`, fed `inputs_embeds`, checkpointing enabled before or after wrapping.
 
 Plain transformers (4.57 and 5.23): the reentrant checkpoint of a block whose inputs need no grad

@@ -1,4 +1,4 @@
-"""Issue #5 item 2: a tiny Llama saved and reloaded with BitsAndBytesConfig(load_in_4bit=True) on
+"""a tiny Llama saved and reloaded with BitsAndBytesConfig(load_in_4bit=True) on
 CPU, default checkpointing (no kwargs), LoRA, without and with prepare_model_for_kbit_training.
 
 Plain 4.57 without prepare: transformers 4.x defaults to reentrant and the frozen 4-bit base leaves

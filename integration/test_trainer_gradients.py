@@ -1,4 +1,4 @@
-"""Scenario b (issue #3): the partially frozen Llama trained by transformers.Trainer with
+"""Scenario b (R1, X3): the partially frozen Llama trained by transformers.Trainer with
 TrainingArguments(gradient_checkpointing=True) and no checkpointing kwargs. The first step's
 gradients are compared with the same Trainer set-up without checkpointing.
 

@@ -1,4 +1,4 @@
-"""Issue #5 item 4: TRL SFTTrainer and DPOTrainer (tiny Llama, tokenizer built in the script, tiny
+"""TRL SFTTrainer and DPOTrainer (tiny Llama, tokenizer built in the script, tiny
 in-memory datasets.Dataset, 2 steps, use_cpu=True) with peft_config=LoraConfig(...) and
 gradient_checkpointing=True, no checkpoint kwargs.
 

@@ -1,4 +1,4 @@
-"""Issue #5 item 6: DeepSpeed ZeRO-3 on CPU (one process, gloo, DS_ACCELERATOR=cpu, persistence
+"""DeepSpeed ZeRO-3 on CPU (one process, gloo, DS_ACCELERATOR=cpu, persistence
 threshold 0, model built under zero.Init through HfDeepSpeedConfig), LoRA, 2 steps, with
 use_reentrant False, unset and True, against the no-checkpointing run's losses.
 

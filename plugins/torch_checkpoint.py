@@ -40,7 +40,7 @@ RULES = (
          "gcpatch/checkpoint_call.py"),
 )
 
-INFO = PluginInfo(name="torch", framework="torch", versions=">=2.0,<3", rules=RULES)
+INFO = PluginInfo(name="torch", framework="torch", versions=">=2.0,<3", rules=RULES, proven="==2.13.*")
 
 
 @hookimpl

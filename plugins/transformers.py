@@ -5,7 +5,7 @@ Patch points, proved per version by tests/test_patch_points.py:
 - 4.x: `PreTrainedModel.gradient_checkpointing_enable`, the only entry; the Trainer calls it.
 - 5.x: `PreTrainedModel._activation_checkpointing_enable`, which `activation_checkpointing_enable`
   and its deprecated alias `gradient_checkpointing_enable` both reach. Wrapping the public names
-  on the class would make `_is_overridden()` true and reroute 5.x's dispatch (RULES.md §4), and
+  on the class would make `_is_overridden()` true and reroute 5.x's dispatch (X1), and
   wrapping a layer's `forward` would switch checkpointing off (`is_outermost`), so neither is done.
 - the disable of each generation, to undo what gcpatch added.
 - `Trainer.train`, to know that an enable call is the Trainer's re-enable (X3).

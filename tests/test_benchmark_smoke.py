@@ -1,4 +1,4 @@
-"""The benchmark (benchmarks/run.py, issue #4) runs end to end on its smallest setting, so that
+"""The benchmark (benchmarks/run.py) runs end to end on its smallest setting, so that
 it cannot rot. It writes into a temporary directory: the committed results are left alone."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The patch points of each transformers generation: installed exactly once whatever the
-import order, invisible to 5.x's dispatch, restored by identity (issue #3 item 3, RULES.md §4)."""
+import order, invisible to 5.x's dispatch, restored by identity (X1)."""
 from __future__ import annotations
 
 import pytest
@@ -44,7 +44,7 @@ def test_entry_point_of_the_installed_generation_is_patched_once_in_any_import_o
     expected = ["_activation_checkpointing_enable"] if transformers_version() >= Version("5.23") \
         else ["gradient_checkpointing_enable"]
     assert result["ours"] == expected
-    assert result["overridden"] in (False, None), "wrapping must not reroute 5.x's dispatch (RULES.md §4)"
+    assert result["overridden"] in (False, None), "wrapping must not reroute 5.x's dispatch (X1)"
     assert result["decisions"] == 1
     assert result["checkpointing"] is True
     assert result["use_reentrant"] is True  # all trainable, input_ids: the user's choice is correct and kept

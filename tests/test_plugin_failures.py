@@ -1,6 +1,6 @@
 """A third-party plugin that raises, registered through the real entry-point group: the job
 trains with the framework's own behaviour and one log line; strict mode names the culprit
-(issue #3 item 9)."""
+(fail open)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""The resolver's stance (RULES.md §3), on votes built by hand: strengths, modes, conflicts."""
+"""The resolver's stance, on votes built by hand: strengths, modes, conflicts."""
 from __future__ import annotations
 
 import pytest

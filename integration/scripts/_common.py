@@ -35,7 +35,7 @@ def gpt2(seed: int = 0):
 
 
 def freeze_embeddings_and_first_layer(model) -> None:
-    """The partially frozen set-up of issue #3: embeddings and layer 0 frozen, 11 tensors train."""
+    """The partially frozen set-up (R1): embeddings and layer 0 frozen, 11 tensors train."""
     for param in model.model.embed_tokens.parameters():
         param.requires_grad_(False)
     for param in model.model.layers[0].parameters():

@@ -1,4 +1,4 @@
-"""Issue #6, ColossalAI 0.5 + LoRA + gradient checkpointing, one process on CPU (gloo). Unchanged user
+"""ColossalAI 0.5 + LoRA + gradient checkpointing, one process on CPU (gloo). Unchanged user
 code in the style of ColossalChat's lora_finetune.py: from_pretrained (which leaves the model in eval
 mode), optionally model.train(), booster.enable_lora, gradient_checkpointing_enable() with no kwargs,
 booster.boost, one forward/backward. Nothing here imports gcpatch.

@@ -1,4 +1,4 @@
-"""Build, with no hub access, what issue #6's framework runs load from disk: a tiny Llama (2 layers,
+"""Build, with no hub access, what the Axolotl and ColossalAI runs load from disk: a tiny Llama (2 layers,
 hidden 32) and a byte-level BPE tokenizer trained on the data, both saved with save_pretrained, and a
 16-row alpaca JSONL dataset. Ordinary user code: nothing here imports gcpatch.
 

@@ -1,4 +1,4 @@
-"""Scenario TRL (issue #5): a TRL SFTTrainer or DPOTrainer on a tiny Llama with a LoRA adapter
+"""Scenario TRL: a TRL SFTTrainer or DPOTrainer on a tiny Llama with a LoRA adapter
 (`peft_config=LoraConfig(...)`), `gradient_checkpointing=True` and no checkpoint kwargs, 2 steps on
 CPU from a tiny in-memory dataset and a tokenizer built here (no hub). Ordinary user code: nothing
 here imports gcpatch.

@@ -1,4 +1,4 @@
-"""Issue #6 helpers: the framework CLIs and scripts of the axolotl / colossalai integration tests.
+"""Helpers of the framework-CLI runs: the framework CLIs and scripts of the axolotl / colossalai integration tests.
 
 As in `_run.py` (whose `Run` and `child_env` this reuses): every run is a fresh process of this venv,
 its cwd a temporary directory, HF_HUB_OFFLINE=1, plainly (GCPATCH=0) or with GCPATCH=1 and
