@@ -47,6 +47,21 @@ def input_ids(batch: int = 2, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, SEQ_LEN), generator=gen)
 
 
+class Batch(torch.utils.data.Dataset):
+    """Causal-LM samples for a Trainer: each row of `ids` with itself as labels. Two rows of the
+    same length with per_device_train_batch_size=2 make the one batch the whole dataset, whatever
+    order the sampler picks."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
 def trainable_grads(model) -> dict[str, torch.Tensor | None]:
     return {name: (None if p.grad is None else p.grad.detach().clone())
             for name, p in model.named_parameters() if p.requires_grad}

@@ -19,17 +19,6 @@ LAYERS = 4
 ASK = {"use_reentrant": True}
 
 
-class Batch(torch.utils.data.Dataset):
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
-
-
 def checkpointed(model) -> dict:
     layers = model.model.layers
     on = [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
@@ -76,7 +65,7 @@ def main() -> None:
                 report_to=[], use_cpu=True, learning_rate=0.0, save_strategy="no", logging_strategy="no",
                 disable_tqdm=True, dataloader_num_workers=0, seed=0,
             )
-            Trainer(model=model, args=targs, train_dataset=Batch(c.input_ids(batch=2))).train()
+            Trainer(model=model, args=targs, train_dataset=c.Batch(c.input_ids(batch=2))).train()
         seen = checkpointed(model)
     c.emit({"scenario": "enable_arguments", "path": args.path, **seen})
 

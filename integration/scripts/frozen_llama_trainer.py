@@ -14,20 +14,6 @@ from transformers import Trainer, TrainingArguments
 import _common as c
 
 
-class Batch(torch.utils.data.Dataset):
-    """Two samples of the same length: with per_device_train_batch_size=2 the one batch is the
-    whole dataset, whatever order the sampler picks."""
-
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
-
-
 def train_one_step(checkpointing: bool, ids: torch.Tensor) -> c.FirstStepProbe:
     model = c.llama()
     c.freeze_embeddings_and_first_layer(model)
@@ -38,7 +24,7 @@ def train_one_step(checkpointing: bool, ids: torch.Tensor) -> c.FirstStepProbe:
             report_to=[], use_cpu=True, learning_rate=0.0, max_grad_norm=0.0, save_strategy="no",
             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
         )
-        Trainer(model=model, args=args, train_dataset=Batch(ids), optimizers=(capture, None)).train()
+        Trainer(model=model, args=args, train_dataset=c.Batch(ids), optimizers=(capture, None)).train()
     assert capture.grads is not None, "the optimizer never stepped"
     return capture
 

@@ -9,21 +9,9 @@ import argparse
 import tempfile
 import warnings
 
-import torch
 from transformers import Trainer, TrainingArguments
 
 import _common as c
-
-
-class Batch(torch.utils.data.Dataset):
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
 def main() -> None:
@@ -43,7 +31,7 @@ def main() -> None:
             report_to=[], use_cpu=True, learning_rate=0.0, max_grad_norm=0.0, save_strategy="no",
             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
         )
-        Trainer(model=model, args=targs, train_dataset=Batch(c.input_ids(batch=2)), optimizers=(seen, None)).train()
+        Trainer(model=model, args=targs, train_dataset=c.Batch(c.input_ids(batch=2)), optimizers=(seen, None)).train()
     c.emit({
         "scenario": "trainer_reenable",
         "asked_use_reentrant": asked,
