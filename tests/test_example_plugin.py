@@ -27,7 +27,7 @@ m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": 
 last = gcpatch.decisions()[-1]
 winner = last["decision"]["winners"]["use_reentrant"]
 print("RESULT " + json.dumps({"rule": winner["rule"], "plugin": winner["plugin"],
-                              "use_reentrant": m.model.layers[0]._gradient_checkpointing_func.keywords["use_reentrant"]}))
+                              "use_reentrant": next(x._gradient_checkpointing_func for x in m.modules() if "_gradient_checkpointing_func" in vars(x)).keywords["use_reentrant"]}))
 """
 
 

@@ -47,7 +47,7 @@ m.model.embed_tokens.requires_grad_(False); m.train()
 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 ids = torch.randint(0, 64, (2, 8))
 m(input_ids=ids, labels=ids).loss.backward()
-print("RESULT " + json.dumps({"use_reentrant": m.model.layers[0]._gradient_checkpointing_func.keywords["use_reentrant"]}))
+print("RESULT " + json.dumps({"use_reentrant": next(x._gradient_checkpointing_func for x in m.modules() if "_gradient_checkpointing_func" in vars(x)).keywords["use_reentrant"]}))
 """
 
 

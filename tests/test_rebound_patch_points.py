@@ -5,10 +5,14 @@ attributed to peft again."""
 from __future__ import annotations
 
 import pytest
+from packaging.version import Version
 from subproc import requires_transformers, result_of, run_python
 
 pytestmark = requires_transformers
-pytest.importorskip("peft")
+peft = pytest.importorskip("peft")
+if Version(peft.__version__) < Version("0.10"):
+    pytest.skip(f"peft {peft.__version__} is below the peft plugin's range (>=0.10): P3's patch point is not installed",
+                allow_module_level=True)
 pytest.importorskip("bitsandbytes")
 
 SCRIPT = """

@@ -19,7 +19,7 @@ ids = torch.randint(0, 64, (2, 8))
 m(input_ids=ids, labels=ids).loss.backward()
 missing = sum(1 for p in m.parameters() if p.requires_grad and p.grad is None)
 print("RESULT " + json.dumps({"missing_grads": missing,
-      "use_reentrant": m.model.layers[0]._gradient_checkpointing_func.keywords["use_reentrant"]}))
+      "use_reentrant": next(x._gradient_checkpointing_func for x in m.modules() if "_gradient_checkpointing_func" in vars(x)).keywords["use_reentrant"]}))
 """
 
 # variable, bad value, the words its one line must hold

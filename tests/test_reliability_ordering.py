@@ -24,7 +24,7 @@ def check():
                                      num_attention_heads=4, num_key_value_heads=2)).train()
     m.model.embed_tokens.requires_grad_(False)
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    return {"wrapped": depth, "use_reentrant": m.model.layers[0]._gradient_checkpointing_func.keywords["use_reentrant"]}
+    return {"wrapped": depth, "use_reentrant": next(x._gradient_checkpointing_func for x in m.modules() if "_gradient_checkpointing_func" in vars(x)).keywords["use_reentrant"]}
 """
 
 ORDERS = {
