@@ -2,7 +2,7 @@
 
 Loads plugins from the entry-point group, applies the block list (GCPATCH_DISABLE_PLUGINS),
 checks each plugin's declared framework range before its patches exist, and isolates one
-plugin's failure from the others (design card: a plugin error fails open).
+plugin's failure from the others (a plugin error fails open).
 """
 from __future__ import annotations
 

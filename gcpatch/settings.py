@@ -1,7 +1,7 @@
 """gcpatch's environment variables, read in one place.
 
 A bad value never raises: it is reported once on stderr, in words that say exactly what gcpatch
-does instead, because gcpatch runs inside other people's jobs (design card: fail open).
+does instead, because gcpatch runs inside other people's jobs (fail open).
 """
 from __future__ import annotations
 
