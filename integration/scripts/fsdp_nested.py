@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 
-import torch
 import torch.distributed as dist
 
 from _common import compare_grads, emit, input_ids, llama
