@@ -3,6 +3,7 @@ package follows the first framework import), runs twice harmlessly, and reaches 
 interpreters."""
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def test_on_loads_only_the_startup_module_until_a_framework_is_imported(tmp_path
     assert "<gcpatch framework watcher>" in result_of(watching)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed in this environment")
 def test_first_framework_import_starts_gcpatch(tmp_path):
     proc = run_python("""
         import json, sys
