@@ -5,10 +5,13 @@ Nothing rank-local: a decision that differs between ranks deadlocks DDP.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Mapping
 
 from gcpatch.schema import Facts
@@ -18,13 +21,46 @@ log = logging.getLogger("gcpatch")
 VERSIONED = ("torch", "transformers", "accelerate", "peft", "trl", "deepspeed", "bitsandbytes")
 
 
+# Within one decision the module tree does not change (the framework's enable only sets flags):
+# each model is walked once, however many facts and apply steps look at it.
+_walk: contextvars.ContextVar[dict[tuple[int, str], Any] | None] = contextvars.ContextVar("gcpatch_walk", default=None)
+
+
+@contextmanager
+def one_walk() -> Iterator[None]:
+    token = _walk.set({})
+    try:
+        yield
+    finally:
+        _walk.reset(token)
+
+
+def _walked(model: Any, what: str, compute: Any) -> Any:
+    cache = _walk.get()
+    if cache is None:
+        return compute()
+    key = (id(model), what)
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+def named_modules(model: Any) -> list[tuple[str, Any]]:
+    return _walked(model, "modules", lambda: list(model.named_modules()))
+
+
 def checkpoint_layers(model: Any) -> list[Any]:
     """The modules that checkpoint themselves: transformers' GradientCheckpointingLayer, or on
     model families that predate it, every submodule with a `gradient_checkpointing` flag."""
-    layers = [m for m in model.modules() if is_checkpoint_layer(m)]
+    return _walked(model, "layers", lambda: _checkpoint_layers(model))
+
+
+def _checkpoint_layers(model: Any) -> list[Any]:
+    modules = [m for _, m in named_modules(model)]
+    layers = [m for m in modules if is_checkpoint_layer(m)]
     if layers:
         return layers
-    return [m for m in model.modules() if m is not model and hasattr(m, "gradient_checkpointing")]
+    return [m for m in modules if m is not model and hasattr(m, "gradient_checkpointing")]
 
 
 def is_checkpoint_layer(module: Any) -> bool:
@@ -45,7 +81,11 @@ def checkpoint_stacks(model: Any) -> list[tuple[str, Any, list[Any]]]:
     over them, the blocks). A multi-stack model has several: encoder and decoder, two towers, a
     vision tower and a language model. Blocks are grouped by the container that holds them; on
     families that predate GradientCheckpointingLayer the flagged module runs its own loop."""
-    named = list(model.named_modules())
+    return _walked(model, "stacks", lambda: _checkpoint_stacks(model))
+
+
+def _checkpoint_stacks(model: Any) -> list[tuple[str, Any, list[Any]]]:
+    named = named_modules(model)
     names = {id(m): n for n, m in named}
     modules = dict(named)
     stacks: dict[str, tuple[str, Any, list[Any]]] = {}
@@ -79,7 +119,7 @@ def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
     before the stack on the way from the root down to it, leaving out sibling branches that hold
     a stack of their own (a parallel tower, or a vision tower that only feeds image batches):
     counting those could keep reentrant where a text-only batch loses gradients, so they are not."""
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): n for n, m in named_modules(model)}
     stacks = checkpoint_stacks(model)
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
     owners = {id(owner) for _, owner, _ in stacks} | {id(layer) for _, _, layers in stacks for layer in layers}
@@ -176,7 +216,7 @@ def use_cache_configs(model: Any) -> dict[str, Any]:
     found: dict[str, Any] = {}
     seen: set[int] = set()
     todo: list[tuple[str, Any]] = []
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         config = module.__dict__.get("config")
         if config is not None and hasattr(config, "to_dict"):
             todo.append((f"{name}.config" if name else "config", config))
@@ -323,7 +363,7 @@ def _embeddings_trainable(model: Any) -> bool | None:
 
 
 def _has_peft_modules(model: Any) -> bool:
-    return any(type(m).__module__.startswith("peft.") for m in model.modules())
+    return any(type(m).__module__.startswith("peft.") for _, m in named_modules(model))
 
 
 def _zero3(model: Any) -> bool:
