@@ -30,6 +30,11 @@ EVAL_MODE_FIX = "eval_mode_fix"
 RUN_INLINE = "run_inline"  # a checkpoint call nested in another runs its function directly (CK2)
 KNOBS = (USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX, RUN_INLINE)
 
+# Framework facts one plugin publishes (gcpatch_facts) for other plugins' rules to read.
+# True: non-reentrant recompute of ZeRO-3-partitioned frozen parameters works on this DeepSpeed;
+# False: it raises CheckpointError (the deepspeed plugin owns the release gate, R3). Absent: unknown.
+ZERO3_NONREENTRANT_RECOMPUTE = "zero3_nonreentrant_recompute"
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -111,6 +116,8 @@ class Facts:
     stacks: tuple[Mapping[str, Any], ...] = ()
     # a checkpoint function other than torch's that the layers will call ("": torch's)
     checkpoint_function: str = ""
+    # what plugins know about their frameworks for other plugins' rules (gcpatch_facts), by name
+    framework_facts: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def partially_frozen(self) -> bool:
@@ -123,6 +130,7 @@ class Facts:
         data["versions"] = dict(self.versions)
         data["use_cache_configs"] = dict(self.use_cache_configs)
         data["stacks"] = [dict(stack) for stack in self.stacks]
+        data["framework_facts"] = {k: _plain(v) for k, v in self.framework_facts.items()}
         data["partially_frozen"] = self.partially_frozen
         return data
 
