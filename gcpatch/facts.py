@@ -150,6 +150,33 @@ def checkpoint_function() -> str:
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
 
 
+def fsdp_facts(model: Any, context: Mapping[str, Any]) -> dict[str, str]:
+    """FSDP around or inside the model, and FSDP's own activation checkpointing: read from the
+    modules (FSDP1's wrapper class, FSDP2's FSDPModule, CheckpointWrapper), from the wrap being
+    decided now (`context`, the fsdp plugin) and from accelerate's launcher environment (the Trainer
+    enables checkpointing before accelerate wraps the model)."""
+    kinds, wrappers, impls = [], 0, set()
+    if context.get("fsdp"):
+        kinds.append(str(context["fsdp"]))
+    for module in model.modules():
+        names = {cls.__name__ for cls in type(module).__mro__}
+        if "FullyShardedDataParallel" in names and "fsdp1" not in kinds:
+            kinds.append("fsdp1")
+        if "FSDPModule" in names and "fsdp2" not in kinds:
+            kinds.append("fsdp2")
+        if "CheckpointWrapper" in names:
+            wrappers += 1
+            impl = getattr(module, "checkpoint_impl", None)
+            impls.add(str(getattr(impl, "name", impl)).lower())
+    planned = ""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        kinds.append(f"accelerate:fsdp{os.environ.get('FSDP_VERSION', '1')}")
+        if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").lower() == "true":
+            planned = "accelerate FSDP plugin activation_checkpointing (planned)"
+    checkpointing = f"checkpoint_wrapper: {wrappers} modules ({', '.join(sorted(impls))})" if wrappers else planned
+    return {"fsdp": ", ".join(kinds), "fsdp_checkpointing": checkpointing}
+
+
 def _numel(param: Any) -> int:
     """ZeRO-3 partitions parameters in place (numel() is 0 after deepspeed.zero.Init): ds_numel
     holds the real size."""
@@ -235,6 +262,7 @@ def gather(
         grad_enabled=_grad_enabled(),
         find_unused_parameters=bool(context.get("find_unused_parameters", False)),
         trainer=trainer,
+        **fsdp_facts(model, context),
     ))
 
 

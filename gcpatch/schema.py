@@ -116,6 +116,10 @@ class Facts:
     stacks: tuple[Mapping[str, Any], ...] = ()
     # a checkpoint function other than torch's that the layers will call ("": torch's)
     checkpoint_function: str = ""
+    # FSDP wrapping the model: "fsdp1" | "fsdp2" (wrapped, or wrapping now), "accelerate:fsdpN" (launcher), ""
+    fsdp: str = ""
+    # FSDP's own activation checkpointing: "checkpoint_wrapper: N modules (impl)", "accelerate: planned", ""
+    fsdp_checkpointing: str = ""
     # what plugins know about their frameworks for other plugins' rules (gcpatch_facts), by name
     framework_facts: Mapping[str, Any] = field(default_factory=dict)
 
