@@ -135,7 +135,11 @@ def table(results: list[dict], meta: str) -> str:
             "Saved = bytes packed by `torch.autograd.graph.saved_tensors_hooks` during the forward (every saved tensor "
             "that is not a parameter or buffer). RSS = growth of the process's peak resident memory over the step "
             "(forward + backward; 0 where the step stayed under an earlier peak). Correct = every trainable "
-            "gradient matches the model without checkpointing.", ""]
+            "gradient matches the model without checkpointing.", "",
+            "Offload: transformers' `save_on_cpu` packs the tensors saved inside the checkpointed layers with its "
+            "own hook, which this measurement's outer hook does not see; on a CPU-only machine they stay in host "
+            "memory either way (compare the RSS column), so the lower saved figure with offload is not memory "
+            "saved here. On a GPU they would leave device memory.", ""]
     for setup, title in (("full", "Full fine-tune, asks nothing"),
                          ("frozen", "Embeddings frozen, inputs_embeds, asks use_reentrant=True")):
         rows += [f"## {title}", "", "| every_n_layers | offload | variant | checkpointed layers | saved MiB | "
