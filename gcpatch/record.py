@@ -111,6 +111,17 @@ def call_site(
     return entry
 
 
+def disable(model: str, api: str, restored: dict[str, str], record_dir: str | None) -> dict[str, Any]:
+    """Record the user's disable: what gcpatch gave back so the model is as it would be
+    without gcpatch (its hooks are always removed; `restored` lists the configs R6 changed)."""
+    given_back = "; ".join(f"{change} on {where}" for where, change in restored.items())
+    line = f"gcpatch: rank {rank()} {model}.{api}: checkpointing off, gcpatch's hooks removed" + (
+        f", {given_back}" if given_back else "")
+    entry = event({"stage": "disable", "model": model, "api": api, "restored": restored, "line": line}, record_dir)
+    log.log(logging.INFO if restored else logging.DEBUG, "%s", line)
+    return entry
+
+
 def failure(stage: str, text: str, record_dir: str | None) -> None:
     """Record a decision that failed open: the host ran with its own behaviour."""
     entry = {"time": time.time(), "pid": os.getpid(), "rank": rank(), "stage": stage, "failed_open": text}

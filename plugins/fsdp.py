@@ -24,7 +24,7 @@ RULES = (
          "wrappers; use_reentrant is not changed for FSDP: the reentrant extra all-gather of FSDP1 FULL_SHARD "
          "(transformers#30404) is not seen under FSDP2 on torch 2.13 (same backward all-gathers measured)",
          "torch/distributed/fsdp/_fully_shard/_fully_shard.py, torch/distributed/algorithms/_checkpoint/"
-         "checkpoint_wrapper.py, transformers#30404, pytorch#105635"),
+         "checkpoint_wrapper.py, transformers#30404, pytorch#105635", documents=True),
 )
 
 INFO = PluginInfo(name="fsdp", framework="torch", versions=">=2.6,<3", rules=RULES, proven="==2.13.*")
