@@ -1,5 +1,5 @@
 """A partially frozen model without PEFT under DeepSpeed ZeRO-3 (CPU, one process, built under
-zero.Init, embeddings and layer 0 frozen, the batch as inputs_embeds, which transformers' own
+zero.Init, embeddings and every layer's attention frozen, the batch as inputs_embeds, which transformers' own
 input-grads hook does not cover): the first step's full gradient of every trainable tensor
 (safe_get_full_grad) against the no-checkpointing run's.
 
@@ -43,7 +43,7 @@ def _wrong(run, script_runs) -> list[str]:
     assert ref_run["error"] is None and ref_run["zero3_partitioned_at_build"], ref_run
     ref = torch.load(ref_run["grads_file"])
     got = torch.load(run.result["grads_file"])
-    assert got.keys() == ref.keys() and len(ref) == 11 and all(g is not None for g in ref.values())
+    assert got.keys() == ref.keys() and len(ref) == 12 and all(g is not None for g in ref.values())
     return sorted(n for n, g in got.items()
                   if g is None or not torch.allclose(g, ref[n], atol=1e-6, rtol=0) or not bool(ref[n].abs().sum()))
 
@@ -83,8 +83,9 @@ def test_plain_zero3_partially_frozen_reentrant_loses_gradients(script_runs):
     assert_plain(run)
     assert run.result["error"] is None and run.result["applied_use_reentrant"] is True
     wrong = _wrong(run, script_runs)
-    # the 9 tensors of layer 1, whose input needs no grad; the final norm and the head still learn
-    assert len(wrong) == 9 and all(n.startswith("model.layers.1.") for n in wrong), wrong
+    # the MLPs and norms of both layers (5 tensors each), whose inputs need no grad; the final norm
+    # and the head, outside the checkpointed blocks, still learn
+    assert len(wrong) == 10 and all(n.startswith("model.layers.") for n in wrong), wrong
 
 
 def test_plain_zero3_partially_frozen_non_reentrant(script_runs):
@@ -92,5 +93,5 @@ def test_plain_zero3_partially_frozen_non_reentrant(script_runs):
     assert_plain(run)
     if FIXED:
         assert run.result["error"] is None and _wrong(run, script_runs) == []
-    else:
-        assert run.result["error"].startswith("CheckpointError"), run.result["error"]
+    else:  # the recompute gathers the frozen partitioned attention weights differently (trl#2514)
+        assert (run.result["error"] or "").startswith("CheckpointError"), run.result

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-3 on CPU (one process, gloo, DS_ACCELERATOR=cpu, persistence threshold 0, model
 built under zero.Init through HfDeepSpeedConfig), a partially frozen tiny Llama without PEFT
-(embeddings and layer 0 frozen, as `unfrozen_parameters` or a hand-written freeze does), 2 training
+(embeddings and every layer's attention frozen, MLPs and norms trained, as `unfrozen_parameters` or a
+hand-written freeze does), 2 training
 steps with deepspeed.initialize. Ordinary user code: nothing here imports gcpatch.
 
 usage: DS_ACCELERATOR=cpu MASTER_ADDR=127.0.0.1 MASTER_PORT=<free> RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 \
@@ -62,7 +63,13 @@ def main() -> None:
                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(mconfig)
     partitioned = getattr(model.model.layers[1].self_attn.q_proj.weight, "ds_id", None) is not None
-    c.freeze_embeddings_and_first_layer(model)
+    # frozen embeddings and attention, trainable MLPs and norms: every checkpointed block holds frozen
+    # partitioned parameters that its recompute must gather (DeepSpeed < 0.19.3 raises CheckpointError)
+    for param in model.model.embed_tokens.parameters():
+        param.requires_grad_(False)
+    for layer in model.model.layers:
+        for param in layer.self_attn.parameters():
+            param.requires_grad_(False)
     model.train()
     if args.reentrant == "unset":
         model.gradient_checkpointing_enable()
