@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from gcpatch.facts import rank
-from gcpatch.schema import CallFacts, Decision, Facts
+from gcpatch.schema import CallFacts, Decision, Facts, Stage
 
 log = logging.getLogger("gcpatch")
 _history: list[dict[str, Any]] = []
@@ -117,7 +117,7 @@ def disable(model: str, api: str, restored: dict[str, str], record_dir: str | No
     given_back = "; ".join(f"{change} on {where}" for where, change in restored.items())
     line = f"gcpatch: rank {rank()} {model}.{api}: checkpointing off, gcpatch's hooks removed" + (
         f", {given_back}" if given_back else "")
-    entry = event({"stage": "disable", "model": model, "api": api, "restored": restored, "line": line}, record_dir)
+    entry = event({"stage": Stage.DISABLE, "model": model, "api": api, "restored": restored, "line": line}, record_dir)
     log.log(logging.INFO if restored else logging.DEBUG, "%s", line)
     return entry
 
