@@ -203,6 +203,33 @@ def checkpoint_function() -> str:
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
 
 
+def fsdp_facts(model: Any, context: Mapping[str, Any]) -> dict[str, str]:
+    """FSDP around or inside the model, and FSDP's own activation checkpointing: read from the
+    modules (FSDP1's wrapper class, FSDP2's FSDPModule, CheckpointWrapper), from the wrap being
+    decided now (`context`, the fsdp plugin) and from accelerate's launcher environment (the Trainer
+    enables checkpointing before accelerate wraps the model)."""
+    kinds, wrappers, impls = [], 0, set()
+    if context.get("fsdp"):
+        kinds.append(str(context["fsdp"]))
+    for module in model.modules():
+        names = {cls.__name__ for cls in type(module).__mro__}
+        if "FullyShardedDataParallel" in names and "fsdp1" not in kinds:
+            kinds.append("fsdp1")
+        if "FSDPModule" in names and "fsdp2" not in kinds:
+            kinds.append("fsdp2")
+        if "CheckpointWrapper" in names:
+            wrappers += 1
+            impl = getattr(module, "checkpoint_impl", None)
+            impls.add(str(getattr(impl, "name", impl)).lower())
+    planned = ""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        kinds.append(f"accelerate:fsdp{os.environ.get('FSDP_VERSION', '1')}")
+        if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").lower() == "true":
+            planned = "accelerate FSDP plugin activation_checkpointing (planned)"
+    checkpointing = f"checkpoint_wrapper: {wrappers} modules ({', '.join(sorted(impls))})" if wrappers else planned
+    return {"fsdp": ", ".join(kinds), "fsdp_checkpointing": checkpointing}
+
+
 def _numel(param: Any) -> int:
     """ZeRO-3 partitions parameters in place (numel() is 0 after deepspeed.zero.Init): ds_numel
     holds the real size."""
@@ -259,7 +286,7 @@ def gather(
     asked = dict(asked_kwargs or {})
     config = getattr(model, "config", None)
     world_size = _int_env("WORLD_SIZE", 1)
-    return Facts(
+    return _with_framework_facts(Facts(
         stage=stage,
         api=api,
         source=source,
@@ -288,7 +315,8 @@ def gather(
         grad_enabled=_grad_enabled(),
         find_unused_parameters=bool(context.get("find_unused_parameters", False)),
         trainer=trainer,
-    )
+        **fsdp_facts(model, context),
+    ))
 
 
 def for_config(
@@ -308,7 +336,7 @@ def for_config(
     yet: a config that freezes part of the model counts one frozen and one trainable tensor, so
     `partially_frozen` holds; the model-level decision later sees the real counts."""
     asked = dict(asked_kwargs or {})
-    return Facts(
+    return _with_framework_facts(Facts(
         stage="config", api=api, source="config", model_class=model_class,
         asked_use_reentrant=_as_bool(asked.get("use_reentrant")), asked_from=asked_from, asked_kwargs=asked,
         trainable_params=1, frozen_params=1 if partially_frozen else 0, embeddings_trainable=None,
@@ -316,7 +344,16 @@ def for_config(
         layers_in_eval_mode=0, checkpoint_layer_api=True, use_cache=None, peft=peft, kbit=kbit,
         zero3=zero3, world_size=world_size, distributed="ddp" if world_size > 1 else "none",
         versions=versions(), trainer=trainer,
-    )
+    ))
+
+
+def _with_framework_facts(facts: Facts) -> Facts:
+    """What the running plugins know about their frameworks (`gcpatch_facts`: a release gate one
+    plugin owns and another plugin's rule reads). None outside a running engine (unit tests)."""
+    from gcpatch import engine
+
+    host = engine.running()
+    return host.with_framework_facts(facts) if host is not None else facts
 
 
 def versions() -> Mapping[str, str | None]:
