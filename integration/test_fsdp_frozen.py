@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from _asserts import assert_installed_gcpatch_ran, assert_plain, final_enable_record, winner
+from _asserts import assert_installed_gcpatch_ran, assert_plain, winner
 from _run import V5, Spec
 
 pytest.importorskip("accelerate")

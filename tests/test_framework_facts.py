@@ -5,6 +5,7 @@ release recomputes partitioned frozen parameters non-reentrant, and stands back 
 reentrant + hook is the only choice that does not crash."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -20,10 +21,31 @@ def plugin(name: str):
     return importlib.import_module(f"gcpatch_plugins.{name}")
 
 
+class _AsInstalled:
+    """A built-in plugin as if its framework were installed: these tests are about the decision,
+    and the fast suite runs where deepspeed is not installed."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    @hookimpl
+    def gcpatch_plugin_info(self):
+        return dataclasses.replace(self.module.gcpatch_plugin_info(), framework="pluggy", versions=">=0", proven="")
+
+    @hookimpl
+    def gcpatch_vote(self, facts):
+        return self.module.gcpatch_vote(facts)
+
+    @hookimpl
+    def gcpatch_facts(self, facts):
+        hook = getattr(self.module, "gcpatch_facts", None)
+        return hook(facts) if hook is not None else {}
+
+
 def _host(*names: str) -> PluginHost:
     host = PluginHost()
     for name in names:
-        host.add(plugin(name), name)
+        host.add(_AsInstalled(plugin(name)), name)
     return host
 
 
