@@ -163,6 +163,7 @@ class Vote:
     reason: str
     plugin: str = ""
     avoids: str = ""  # for required votes: the failure it prevents
+    short: str = ""  # the reason in a few words, for the one-line log (the record keeps `reason`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -98,7 +98,8 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     votes: list[Vote] = []
     if facts.stage == "config" and facts.partially_frozen and not facts.zero3:
         votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", "the config freezes part of the model: reentrant "
-                          "would drop the gradients of layers whose inputs need none", avoids=WRONG_GRADIENTS))
+                          "would drop the gradients of layers whose inputs need none", avoids=WRONG_GRADIENTS,
+                          short="partly frozen: layers would get no gradients"))
     if facts.stage == "enable":
         starved = _stacks_without_input_grads(facts)
         if starved and not facts.zero3:
@@ -107,22 +108,35 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                             "reentrant whatever it is asked (offloading checkpointers): gcpatch also puts the "
                             "input-grads hook (R2) in place; without it, those blocks' weights get no gradients "
                             "(by hand: enable_input_require_grads)")
-            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", starved, avoids=WRONG_GRADIENTS))
+            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", starved, avoids=WRONG_GRADIENTS,
+                              short=_starved_short(facts)))
         if facts.trainable_in_checkpointed_layers:
             votes.append(Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R2",
                               "checkpointed layers train: under reentrant their first input must require grad "
-                              "(frozen embeddings, inputs_embeds; X2)", avoids=WRONG_GRADIENTS))
+                              "(frozen embeddings, inputs_embeds; X2)", avoids=WRONG_GRADIENTS,
+                              short="checkpointed layers train"))
         cached = [where for where, value in facts.use_cache_configs.items() if value is not None]
         if facts.use_cache is not None or cached:
             votes.append(Vote(USE_CACHE_OFF, True, REQUIRED, "R6",
                               "the KV cache is useless under checkpointing and warns every step"
-                              + (f" (configs: {', '.join(cached)})" if len(cached) > 1 else "")))
+                              + (f" (configs: {', '.join(cached)})" if len(cached) > 1 else ""),
+                              short="no KV cache under checkpointing"))
     elif facts.stage == "first_forward" and facts.grad_enabled and facts.layers_in_eval_mode:
         votes.append(Vote(EVAL_MODE_FIX, True, REQUIRED, "R5",
                           f"{facts.layers_in_eval_mode} of {facts.checkpointed_layers} checkpointed layers are in "
                           "eval mode at the first training forward: checkpointing would silently do nothing",
-                          avoids=NO_MEMORY_SAVED))
+                          avoids=NO_MEMORY_SAVED, short="else no memory saved"))
     return votes
+
+
+def _starved_short(facts: Facts) -> str:
+    """R1's reason in a few words, for the one-line log."""
+    if any(s.get("encoder_states_by_keyword") for s in facts.stacks):
+        return "decoder takes the encoder's output by keyword"
+    blocks = sum(s["blocks"] for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"])
+    if not blocks:
+        return "partly frozen: layers would get no gradients"
+    return f"frozen upstream, {blocks} blocks would get no gradients"
 
 
 def _stacks_without_input_grads(facts: Facts) -> str:
