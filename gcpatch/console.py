@@ -46,8 +46,10 @@ def speaker() -> bool:
     return True
 
 
-def say(line: str, detail: str, identity: str, level: int = logging.INFO, quiet: bool = False) -> None:
-    """Log one decision: the short line once per job, the detail at DEBUG on every rank."""
+def say(line: str, detail: str, identity: str, level: int = logging.INFO, quiet: bool = False,
+        gist: str = "") -> None:
+    """Log one decision: the short line once per job, the detail at DEBUG on every rank. `gist` is
+    what makes two lines the same news (a re-decision at a wrap that changed nothing is not)."""
     _awake()
     log.debug("%s", detail)
     key = f"{_PREFIX}{identity}#{_seen.get(identity, 0)}"
@@ -59,8 +61,8 @@ def say(line: str, detail: str, identity: str, level: int = logging.INFO, quiet:
         _mine.append((key, line))
     else:
         _pending.append((key, line))
-    if speaker() and line not in _said:
-        _said.add(line)
+    if speaker() and (gist or line) not in _said:
+        _said.add(gist or line)
         log.log(level, "%s", line)
     else:
         log.debug("%s", line)

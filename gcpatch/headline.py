@@ -20,7 +20,7 @@ def line(entry: dict[str, Any]) -> str:
     if entry.get("stage") == "call":
         head = f"gcpatch: checkpoint call at {_site(entry.get('site', '?'))}: "
     else:
-        source = entry.get("source") or "call"
+        source = str(entry.get("source") or "call").split("(", 1)[0].strip() or "call"  # "DDP(...) (R4)": DDP
         head = f"gcpatch: {entry.get('model', '?')}" + (f" ({source})" if source != "call" else "") + ": "
     parts = _parts(entry)
     if not parts:
@@ -58,7 +58,8 @@ def _reentrant(entry: dict[str, Any], value: Any, vote: Any) -> str:
     asked = (entry.get("asked") or {}).get("use_reentrant")
     rule = vote.get("rule", "?")
     if rule == "USER":
-        return f"use_reentrant={value} as asked"
+        kept = " (X3: kept over a re-enable that names none)" if "(X3)" in str((entry.get("asked") or {}).get("from")) else ""
+        return f"use_reentrant={value} as asked{kept}"
     reason = f"{rule}: {_short(vote)}" if _short(vote) else rule
     if asked == value:
         return f"use_reentrant={value} as asked ({reason})"

@@ -63,7 +63,8 @@ def decision(
     }
     _history.append(entry)
     console.say(summary(entry), headline.detail(entry),
-                f"{facts.model_class}.{facts.api}/{facts.stage}/{facts.source}", quiet=quiet)
+                f"{facts.model_class}.{facts.api}/{facts.stage}/{facts.source}", quiet=quiet,
+                gist=summary({**entry, "source": "call"}))
     for text in outcome.warnings + outcome.conflicts:
         log.debug("gcpatch: warning: %s", text)
     for text in headline.warnings(entry):
