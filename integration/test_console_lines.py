@@ -7,7 +7,7 @@ Axolotl CLI (its own test module, test_axolotl.py, where Axolotl is installed)."
 from __future__ import annotations
 
 import importlib.util
-import shutil
+import os
 import subprocess
 import sys
 import time
@@ -138,9 +138,9 @@ def test_deepspeed_launcher(tmp_path):
         pytest.skip("deepspeed not installed (tox env ds0193)")
     if outside_plugin_range("peft"):
         pytest.skip(outside_plugin_range("peft"))
-    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--no_local_rank", "--master_port",
             str(free_port()), str(SCRIPTS / "zero3_lora.py"), "--reentrant", "true"]
     run = _run(tmp_path, "deepspeed", argv, DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", CUDA_VISIBLE_DEVICES="",
-               PATH=str(Path(sys.executable).parent) + ":" + (shutil.which("env") and "/usr/bin:/bin" or ""))
+               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     lines = assert_each_decision_said_once(run, 1)
     assert any("use_reentrant" in line for line in lines), run.describe()

@@ -20,6 +20,7 @@ import logging
 import sys
 from typing import Any
 
+from gcpatch import apply
 from gcpatch.hookspecs import hookimpl
 from gcpatch.pipeline import EnableCall, run_disable, run_enable
 from gcpatch.schema import (
@@ -86,6 +87,10 @@ def gcpatch_patch_points() -> list[PatchPoint]:
                    _enable_v5, applies=v5, why="X1: the 5.x choke point of both enable names"),
         PatchPoint("transformers.modeling_utils", "PreTrainedModel._activation_checkpointing_disable",
                    _disable, applies=v5, why="undo gcpatch's hooks with the user's disable"),
+        PatchPoint("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads",
+                   _enable_input_require_grads, why="X2: one input-grads hook per embedding however often it is called"),
+        PatchPoint("transformers.modeling_utils", "PreTrainedModel.disable_input_require_grads",
+                   _disable_input_require_grads, why="X2: gcpatch's own hook back where a decision still needs one"),
         PatchPoint("transformers.trainer", "Trainer.train", _trainer_train,
                    why="X3: the Trainer's re-enable goes through the same decision"),
         PatchPoint("transformers.training_args", "TrainingArguments.__post_init__", _training_args_post_init,
@@ -251,6 +256,20 @@ def _disable(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
             "gcpatch: %s gradient checkpointing disable: %s", type(model).__name__,
             "; ".join(f"{change} on {where}" for where, change in restored.items()))
     return wrapped(*args, **kwargs)
+
+
+def _enable_input_require_grads(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+    """transformers 5.23 adds a hook on every call and keeps only the last handle, so a second
+    enable (the Trainer's, TRL's own call after it: trl#480) runs the hook twice or more; the
+    earlier ones, and gcpatch's own on the same embedding, go first: one hook per embedding."""
+    apply.dedupe_input_grads_hooks(model)
+    return wrapped(*args, **kwargs)
+
+
+def _disable_input_require_grads(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    apply.rehook_embeddings(model)
+    return result
 
 
 def _trainer_train(wrapped: Any, trainer: Any, args: tuple, kwargs: dict) -> Any:
