@@ -140,7 +140,10 @@ def test_deepspeed_launcher(tmp_path):
         pytest.skip(outside_plugin_range("peft"))
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--no_local_rank", "--master_port",
             str(free_port()), str(SCRIPTS / "zero3_lora.py"), "--reentrant", "true"]
+    # the launcher's ranks JIT-build DeepSpeed's shared-memory comm op on CPU: in a directory of this
+    # test's own, so a build lock another job left behind in ~/.cache/torch_extensions cannot hang it
     run = _run(tmp_path, "deepspeed", argv, DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", CUDA_VISIBLE_DEVICES="",
+               TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"),
                PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     lines = assert_each_decision_said_once(run, 1)
     assert any("use_reentrant" in line for line in lines), run.describe()
