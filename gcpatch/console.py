@@ -140,14 +140,25 @@ def _shows(handler: logging.Handler, record: logging.LogRecord) -> bool:
     if isinstance(handler, ConsoleHandler) or record.levelno < handler.level:
         return False
     if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-        stream = getattr(handler, "stream", None)
-        if stream not in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__):
+        if not _on_console(getattr(handler, "stream", None)):
             return False
     elif "rich" not in type(handler).__module__.lower():
         return False
     try:
         return bool(handler.filter(record))
     except Exception:  # noqa: BLE001
+        return False
+
+
+def _on_console(stream: Any) -> bool:
+    """stdout or stderr, also behind a wrapper (colorama's, a tee that keeps the file descriptor)."""
+    if stream is None:
+        return False
+    if any(stream is std for std in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)):
+        return True
+    try:
+        return stream.fileno() in (1, 2)
+    except Exception:  # noqa: BLE001 (StringIO, a file-only writer: not the console)
         return False
 
 

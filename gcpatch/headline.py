@@ -20,8 +20,10 @@ def line(entry: dict[str, Any]) -> str:
     if entry.get("stage") == "call":
         head = f"gcpatch: checkpoint call at {_site(entry.get('site', '?'))}: "
     else:
-        source = str(entry.get("source") or "call").split("(", 1)[0].strip() or "call"  # "DDP(...) (R4)": DDP
-        head = f"gcpatch: {entry.get('model', '?')}" + (f" ({source})" if source != "call" else "") + ": "
+        # one word: "DDP(find_unused_parameters=True) (R4)" -> DDP, "wrapped by PeftModelForCausalLM" -> the wrapper
+        source = (str(entry.get("source") or "call").split("(", 1)[0].split() or ["call"])[-1]
+        model = str(entry.get("model", "?")).rstrip("/").rsplit("/", 1)[-1]  # a config names the model's path
+        head = f"gcpatch: {model}" + (f" ({source})" if source != "call" else "") + ": "
     parts = _parts(entry)
     if not parts:
         return _fit(head + "left as asked")
@@ -58,11 +60,11 @@ def _reentrant(entry: dict[str, Any], value: Any, vote: Any) -> str:
     asked = (entry.get("asked") or {}).get("use_reentrant")
     rule = vote.get("rule", "?")
     if rule == "USER":
-        kept = " (X3: kept over a re-enable that names none)" if "(X3)" in str((entry.get("asked") or {}).get("from")) else ""
+        kept = " (X3: earlier ask kept)" if "(X3)" in str((entry.get("asked") or {}).get("from")) else ""
         return f"use_reentrant={value} as asked{kept}"
     reason = f"{rule}: {_short(vote)}" if _short(vote) else rule
     if asked == value:
-        return f"use_reentrant={value} as asked ({reason})"
+        return f"use_reentrant={value} as asked ({rule} agrees)"
     was = "unset" if asked is None else str(asked)
     return f"use_reentrant {was} -> {value} ({reason})"
 

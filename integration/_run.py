@@ -20,7 +20,7 @@ from packaging.version import Version
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # A decision's short line on the console (gcpatch/headline.py)
-DECISION_LINE = re.compile(r"gcpatch: (checkpoint call at \S+|[\w.]+( \([\w-]+\))?): "
+DECISION_LINE = re.compile(r"gcpatch: (checkpoint call at \S+|[\w.-]+( \([\w.-]+\))?): "
                            r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|left as asked)")
 BLUNT = Path(__file__).resolve().parent / "blunt"  # sitecustomize.py: the force-non-reentrant patch
 TIMEOUT_S = 300
