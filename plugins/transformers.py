@@ -47,7 +47,8 @@ RULES = (
          "deprecated alias); both reach _activation_checkpointing_enable, which gcpatch wraps",
          "transformers/modeling_utils.py (5.23.0: activation_checkpointing_enable, _is_overridden)", ">=5.0"),
     Rule("X2", "transformers installs its input-grads hook only for input_ids models or a loaded adapter; "
-         "inputs_embeds, vision and audio inputs are not covered",
+         "inputs_embeds, vision and audio inputs are not covered; 5.23 adds one more hook at every "
+         "enable_input_require_grads call (its own enable, peft's, TRL's): gcpatch leaves one per embedding",
          "transformers/modeling_utils.py (5.23.0: _activation_checkpointing_enable; 4.57.6: PEFT only)"),
     Rule("X3", "the Trainer re-enables checkpointing from TrainingArguments and would overwrite a "
          "model-level choice; gcpatch keeps the user's model-level ask unless TrainingArguments names one",
