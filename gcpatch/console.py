@@ -35,7 +35,8 @@ _PREFIX = "gcpatch/lines/"
 
 
 def speaker() -> bool:
-    """Whether this process says the decision lines at INFO: local rank 0."""
+    """Whether this process says the decision lines at INFO: local rank 0 (LOCAL_RANK, else RANK,
+    else the process group's rank where one exists, as with `mp.spawn`)."""
     for name in ("LOCAL_RANK", "RANK"):
         value = os.environ.get(name)
         if value is not None:
@@ -43,7 +44,7 @@ def speaker() -> bool:
                 return int(value) == 0
             except ValueError:
                 return True  # a bad value is reported by settings; better twice than never
-    return True
+    return _group_rank() == 0
 
 
 def say(line: str, detail: str, identity: str, level: int = logging.INFO, quiet: bool = False,
@@ -114,9 +115,19 @@ def _awake() -> None:
 
 def _global_rank() -> int:
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ["RANK"]) if "RANK" in os.environ else _group_rank()
     except ValueError:
         return 0
+
+
+def _group_rank() -> int:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception as exc:  # noqa: BLE001
+        log.debug("gcpatch: no process-group rank (%s: %s); counted as rank 0", type(exc).__name__, exc)
+    return 0
 
 
 def _store() -> Any:

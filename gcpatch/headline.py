@@ -1,6 +1,6 @@
 """The one short line a decision gets on the console: what changed and the rule behind it,
-e.g. `gcpatch: LlamaForCausalLM: use_reentrant True -> False (R1: nothing upstream trains: 2 blocks
-would get no gradients)`. The asked value, the facts and every vote stay in the record
+e.g. `gcpatch: LlamaForCausalLM: use_reentrant True -> False (R1: frozen upstream, 2 blocks
+would lose gradients)`. The asked value, the facts and every vote stay in the record
 (`gcpatch explain -v`) and in the DEBUG line (`detail`)."""
 from __future__ import annotations
 
@@ -114,8 +114,8 @@ def warnings(entry: dict[str, Any]) -> list[str]:
                 out.append(_fit(f"gcpatch: {who}: {won.get('rule')} overrules your {vote.get('knob')}="
                                 f"{vote.get('value')} (GCPATCH_MODE=warn keeps it)"))
             elif vote.get("strength") == "required" and won.get("strength") == "user":
-                out.append(_fit(f"gcpatch: {who}: your {won.get('knob')}={won.get('value')} kept over "
-                                f"{vote.get('rule')} (warn mode): {_short(vote)}"))
+                out.append(_fit(f"gcpatch: {who}: warn mode keeps {won.get('knob')}={won.get('value')} over "
+                                f"{vote.get('rule')} ({_short(vote)})"))
     for text in decision.get("conflicts") or []:
         rules = sorted({v.get("rule", "?") for v in decision.get("overruled") or [] if v.get("strength") == "required"})
         knob = str(text).split(":", 1)[0].rsplit(" ", 1)[-1]

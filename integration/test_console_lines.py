@@ -56,7 +56,7 @@ def test_plain_script_shows_one_short_line(tmp_path):
     run = _run(tmp_path, "plain", [sys.executable, str(SCRIPTS / "frozen_llama.py")])
     lines = assert_each_decision_said_once(run, 1)
     assert lines == ["gcpatch: LlamaForCausalLM: use_reentrant True -> False "
-                     "(R1: frozen upstream, 2 blocks would get no gradients)"], run.stderr
+                     "(R1: frozen upstream, 2 blocks would lose gradients)"], run.stderr
     # the asked value, the facts and every vote are in the record and in `explain -v`, not on the console
     rec = [r for r in run.records() if r.get("stage") == "enable"][-1]
     assert rec["asked"]["use_reentrant"] is True and rec["facts"]["frozen_params"] > 0

@@ -142,7 +142,7 @@ def _starved_short(facts: Facts) -> str:
     blocks = sum(s["blocks"] for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"])
     if not blocks:
         return "partly frozen: layers would get no gradients"
-    return f"frozen upstream, {blocks} blocks would get no gradients"
+    return f"frozen upstream, {blocks} blocks would lose gradients"
 
 
 def _stacks_without_input_grads(facts: Facts) -> str:
