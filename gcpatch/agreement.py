@@ -18,7 +18,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from gcpatch import apply, console, record
+from gcpatch import apply, console, context, record
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import checkpoint_layers
 
@@ -42,11 +42,10 @@ def fingerprint(root: Any) -> dict[str, Any]:
         keywords = getattr(func, "keywords", None) or {}
         layers.append([bool(getattr(layer, "gradient_checkpointing", False)), repr(keywords.get("use_reentrant"))])
     models = []
-    for module in root.modules():
-        if apply.has_state(module):
-            state = apply.state_of(module)
-            config = getattr(module, "config", None)
-            models.append([type(module).__name__, bool(state.input_hooks), repr(getattr(config, "use_cache", None))])
+    for module in context.decided_within(root):
+        config = getattr(module, "config", None)
+        models.append([type(module).__name__, bool(apply.input_hooks_installed(module)),
+                       repr(getattr(config, "use_cache", None))])
     return {"layers": layers, "models": models}
 
 
@@ -141,7 +140,9 @@ def _store(dist: Any) -> Any:
 def _timeout_s(store: Any) -> float:
     try:
         return min(float(store.timeout.total_seconds()), DEFAULT_TIMEOUT_S)
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
+        log.debug("gcpatch: R4: the store has no readable timeout (%s); waiting %s s for the other ranks",
+                  exc, DEFAULT_TIMEOUT_S)
         return DEFAULT_TIMEOUT_S
 
 

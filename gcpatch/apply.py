@@ -7,6 +7,7 @@ per-model state so enabling twice leaves one hook and disabling leaves the model
 """
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from typing import Any, Callable
 
 from gcpatch.facts import checkpoint_function, checkpoint_layers, checkpoint_stacks, is_checkpoint_layer, use_cache_configs
 from gcpatch.schema import INPUT_GRADS_HOOK, USE_CACHE_OFF, USE_REENTRANT, Decision
+
+log = logging.getLogger("gcpatch")
 
 
 def _grad_enabled() -> bool:
@@ -28,27 +31,18 @@ def _is_tensor(value: Any) -> bool:
 
 @dataclass
 class ModelState:
-    """What gcpatch changed on one model, and the user's last explicit model-level ask."""
+    """What gcpatch installed on one model, so that a re-enable replaces it and a disable
+    takes all of it back (what the user asked lives in gcpatch.context)."""
 
-    ask: dict[str, Any] | None = None
-    ask_from: str = ""
-    replay: Callable[[Any, Any], Any] | None = None  # re-runs the public enable on a model (re-decisions)
-    context: dict[str, Any] = field(default_factory=dict)  # wrap-time facts (DDP)
-    trainer: str = ""
     input_hooks: list[Any] = field(default_factory=list)
     embeddings_hook_wanted: bool = False  # R2/X2 asked for a hook on the embedding output (transformers' or ours)
     first_forward: list[Any] = field(default_factory=list)  # R5's one-shot pre-hooks, one per stack runner
     eval_fixed: list[tuple[Any, Any]] = field(default_factory=list)
     mode_sync: list[Any] = field(default_factory=list)  # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
     cache_off: dict[int, tuple[Any, str, Any]] = field(default_factory=dict)  # R6: config -> (config, where, old)
-    last: dict[str, Any] | None = None
 
 
 _states: weakref.WeakKeyDictionary[Any, ModelState] = weakref.WeakKeyDictionary()
-
-
-def has_state(model: Any) -> bool:
-    return model in _states
 
 
 def state_of(model: Any) -> ModelState:
@@ -56,6 +50,12 @@ def state_of(model: Any) -> ModelState:
     if state is None:
         state = _states[model] = ModelState()
     return state
+
+
+def input_hooks_installed(model: Any) -> int:
+    """How many input-grads hooks gcpatch has on `model` now."""
+    state = _states.get(model)
+    return len(state.input_hooks) if state is not None else 0
 
 
 def apply(model: Any, decision: Decision, on_first_forward: Callable[[Any], None]) -> dict[str, Any]:
@@ -81,7 +81,7 @@ def apply(model: Any, decision: Decision, on_first_forward: Callable[[Any], None
         applied["checkpointed_stacks"] = {
             name: f"{sum(1 for m in layers if getattr(m, 'gradient_checkpointing', False))} of {len(layers)} "
                   f"{type(layers[0]).__name__}" for name, _, layers in stacks}
-        _arm_first_forward(model, state, on_first_forward)
+        _arm_first_forward(model, state, on_first_forward, stacks)
     return applied
 
 
@@ -137,14 +137,12 @@ def _remove_handles(handles: list[Any]) -> None:
 
 def remove_all(model: Any) -> dict[str, str]:
     """The user disabled checkpointing: take back everything gcpatch changed for the enable
-    (hooks, the eval-mode fix, `use_cache`), and re-decide nothing later. Returns the configs
-    whose `use_cache` was given back."""
+    (hooks, the eval-mode fix, `use_cache`). Returns the configs whose `use_cache` was given back."""
     reset(model)
     state = _states.get(model)
     if state is None:
         return {}
     _remove_input_hooks(state)
-    state.replay = None
     return _restore_use_cache(state)
 
 
@@ -177,13 +175,13 @@ def fix_eval_mode(model: Any) -> int:
     return fixed
 
 
-def _runners(model: Any) -> list[Any]:
+def _runners(model: Any, stacks: list[tuple[str, Any, list[Any]]] | None = None) -> list[Any]:
     """The modules whose forward runs the loop over the checkpointed blocks (one per stack). R5's
     hooks sit there, not on the model: PEFT tuners (`self.model.forward(...)` in peft <= 0.13),
     ColossalAI's boosted wrappers and a user calling `model.forward` bypass the model's own
     hooks, but every path into the blocks goes through the loop that calls them."""
     runners: list[Any] = []
-    for _, owner, _ in checkpoint_stacks(model):
+    for _, owner, _ in (checkpoint_stacks(model) if stacks is None else stacks):
         if all(owner is not r for r in runners):
             runners.append(owner)
     return runners or [model]
@@ -230,7 +228,8 @@ def _reads_training_only_to_checkpoint(module: Any) -> bool:
     for obj in (type(module), forward):
         try:
             sources.append(inspect.getsource(obj))
-        except (OSError, TypeError):
+        except (OSError, TypeError) as exc:
+            log.debug("gcpatch: R5: no source for %r (%s); the eval-mode fix is declined there", obj, exc)
             return False
     reads = [line for src in sources for line in src.splitlines() if "self.training" in line]
     return all(any(mark in line for mark in _NEUTRAL_TRAINING_READS) for line in reads)
@@ -266,7 +265,8 @@ def _user_mode(layer: Any) -> bool:
     return bool(child.training) if child is not None else False
 
 
-def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], None]) -> None:
+def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], None],
+                       stacks: list[tuple[str, Any, list[Any]]]) -> None:
     """One-shot pre-hooks on the modules that run the checkpointed blocks (`_runners`): R5 is
     decided at the first forward that builds a graph, whichever path reaches the blocks, then the
     hooks are gone (no per-step cost after the first step)."""
@@ -282,7 +282,7 @@ def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], 
         if target is not None:
             callback(target)
 
-    for runner in _runners(model):
+    for runner in _runners(model, stacks):
         state.first_forward.append(runner.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
 
@@ -305,7 +305,9 @@ def _install_input_hooks(model: Any, state: ModelState) -> None:
 def _embeddings_of(model: Any) -> Any:
     try:
         embeddings = model.get_input_embeddings()
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
+        log.debug("gcpatch: R2: %s has no input embeddings (%s: %s); only the inputs_embeds hook is installed",
+                  type(model).__name__, type(exc).__name__, exc)
         return None
     return embeddings if hasattr(embeddings, "register_forward_hook") else None
 

@@ -5,11 +5,15 @@ Nothing rank-local: a decision that differs between ranks deadlocks DDP.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sys
 from typing import Any, Mapping
 
 from gcpatch.schema import Facts
+
+log = logging.getLogger("gcpatch")
 
 VERSIONED = ("torch", "transformers", "accelerate", "peft", "trl", "deepspeed", "bitsandbytes")
 
@@ -24,7 +28,13 @@ def checkpoint_layers(model: Any) -> list[Any]:
 
 
 def is_checkpoint_layer(module: Any) -> bool:
-    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
+    return _is_checkpoint_layer_class(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_checkpoint_layer_class(cls: type) -> bool:
+    # per class, once: a model has hundreds of modules of a handful of classes
+    return any(base.__name__ == "GradientCheckpointingLayer" for base in cls.__mro__)
 
 
 _CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
@@ -35,8 +45,9 @@ def checkpoint_stacks(model: Any) -> list[tuple[str, Any, list[Any]]]:
     over them, the blocks). A multi-stack model has several: encoder and decoder, two towers, a
     vision tower and a language model. Blocks are grouped by the container that holds them; on
     families that predate GradientCheckpointingLayer the flagged module runs its own loop."""
-    names = {id(m): n for n, m in model.named_modules()}
-    modules = dict(model.named_modules())
+    named = list(model.named_modules())
+    names = {id(m): n for n, m in named}
+    modules = dict(named)
     stacks: dict[str, tuple[str, Any, list[Any]]] = {}
     for layer in checkpoint_layers(model):
         name = names.get(id(layer), "")
@@ -101,7 +112,9 @@ def _encoder_states_by_keyword(runner: Any) -> bool:
 
     try:
         source = inspect.getsource(type(runner).forward)
-    except (OSError, TypeError):
+    except (OSError, TypeError) as exc:
+        log.debug("gcpatch: R1: no source for %s.forward (%s); its encoder states are taken as positional",
+                  type(runner).__name__, exc)
         return False
     for loop in re.finditer(r"for\s+(?:\w+\s*,\s*)?(\w+)\s+in\s+(?:enumerate\()?self\.\w+", source):
         call = re.search(rf"\b{loop.group(1)}\(", source[loop.end():])
@@ -302,7 +315,8 @@ def rank() -> int:
 def _embeddings_trainable(model: Any) -> bool | None:
     try:
         embeddings = model.get_input_embeddings()
-    except Exception:  # noqa: BLE001 (many models do not implement it)
+    except Exception as exc:  # noqa: BLE001 (many models do not implement it)
+        log.debug("gcpatch: R1/R2: %s has no input embeddings (%s: %s)", type(model).__name__, type(exc).__name__, exc)
         return None
     params = list(embeddings.parameters()) if embeddings is not None else []
     return any(p.requires_grad for p in params) if params else None
@@ -322,7 +336,9 @@ def _zero3(model: Any) -> bool:
     check = getattr(integration, "is_deepspeed_zero3_enabled", None)
     try:
         return bool(check()) if check is not None else False
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
+        log.warning("gcpatch: R3: cannot tell whether ZeRO-3 is on (is_deepspeed_zero3_enabled raised %s: %s); "
+                    "taken as off", type(exc).__name__, exc)
         return False
 
 

@@ -147,7 +147,7 @@ class PluginHost:
                     raise PluginFailure(status.name, hook, exc) from exc
                 self._dropped(status.name, hook, exc)
                 continue
-            declared = {rule.id for rule in status.info.rules} if status.info else set()
+            declared = {rule.id for rule in status.info.rules if not rule.documents} if status.info else set()
             for vote in result:
                 if vote.rule not in declared:
                     self._undeclared(status.name, vote.rule)
@@ -165,7 +165,7 @@ class PluginHost:
 
     def _undeclared(self, plugin: str, rule: str) -> None:
         """A vote whose rule is not in its plugin's table cannot be explained: it is dropped."""
-        text = f"plugin {plugin!r} voted with rule {rule!r}, which its rule table does not declare"
+        text = f"plugin {plugin!r} voted with rule {rule!r}, which its rule table does not declare as a voting rule"
         if self._strict:
             raise GcpatchError(text, rule=f"plugin:{plugin}", fix=f"declare {rule} in gcpatch_plugin_info's rules")
         if (plugin, rule) not in self._reported:

@@ -13,7 +13,7 @@ from typing import Any
 
 from gcpatch import console, headline
 from gcpatch.facts import rank
-from gcpatch.schema import CallFacts, Decision, Facts
+from gcpatch.schema import CallFacts, Decision, Facts, Stage
 
 log = logging.getLogger("gcpatch")
 _history: list[dict[str, Any]] = []
@@ -101,6 +101,17 @@ def call_site(
         console.warn(text)
     if record_dir:
         _write(entry, record_dir)
+    return entry
+
+
+def disable(model: str, api: str, restored: dict[str, str], record_dir: str | None) -> dict[str, Any]:
+    """Record the user's disable: what gcpatch gave back so the model is as it would be
+    without gcpatch (its hooks are always removed; `restored` lists the configs R6 changed)."""
+    given_back = "; ".join(f"{change} on {where}" for where, change in restored.items())
+    line = f"gcpatch: rank {rank()} {model}.{api}: checkpointing off, gcpatch's hooks removed" + (
+        f", {given_back}" if given_back else "")
+    entry = event({"stage": Stage.DISABLE, "model": model, "api": api, "restored": restored, "line": line}, record_dir)
+    log.log(logging.INFO if restored else logging.DEBUG, "%s", line)
     return entry
 
 

@@ -6,29 +6,70 @@ can compare its decisions with the others' as data.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any, Callable, Mapping
 
-# Vote strengths, strongest first.
-REQUIRED = "required"
-USER = "user"
-RECOMMENDED = "recommended"
-DEFAULT = "default"
+class _Word(str, Enum):
+    """A word of the record's vocabulary: compares, hashes and prints as its string, so
+    records stay plain JSON and a plugin may still pass the string."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Stage(_Word):
+    """When a decision is taken."""
+
+    CONFIG = "config"  # from a framework's config, before any model exists (Axolotl)
+    ENABLE = "enable"  # at the framework's enable call (or a re-decision after a wrap)
+    FIRST_FORWARD = "first_forward"  # at the first forward that builds a graph (R5)
+    CALL = "call"  # at one torch.utils.checkpoint call no enable-time decision covers
+    DISABLE = "disable"  # the user switched checkpointing off: what gcpatch gave back
+
+
+class Source(_Word):
+    """Who asked, where it is one of these; a framework enabling on the user's behalf is named
+    by its own string (e.g. "peft.prepare_model_for_kbit_training")."""
+
+    CALL = "call"  # the user's code
+    TRAINER = "trainer"  # a Trainer re-enabling from its arguments (X3)
+
+
+class Strength(_Word):
+    """How strongly a vote holds, strongest first."""
+
+    REQUIRED = "required"
+    USER = "user"
+    RECOMMENDED = "recommended"
+    DEFAULT = "default"
+
+
+class Failure(_Word):
+    """What a required vote avoids; a conflict between required votes goes to the worse failure:
+    silent wrong gradients outrank a loud crash, which outranks lost memory."""
+
+    WRONG_GRADIENTS = "wrong_gradients"
+    CRASH = "crash"
+    NO_MEMORY_SAVED = "no_memory_saved"
+
+
+class Knob(_Word):
+    """What a vote can be about."""
+
+    USE_REENTRANT = "use_reentrant"
+    INPUT_GRADS_HOOK = "input_grads_hook"
+    USE_CACHE_OFF = "use_cache_off"
+    EVAL_MODE_FIX = "eval_mode_fix"
+    RUN_INLINE = "run_inline"  # a checkpoint call nested in another runs its function directly (CK2)
+
+
+REQUIRED, USER, RECOMMENDED, DEFAULT = Strength.REQUIRED, Strength.USER, Strength.RECOMMENDED, Strength.DEFAULT
 STRENGTH_ORDER = {REQUIRED: 3, USER: 2, RECOMMENDED: 1, DEFAULT: 0}
-
-# What a required vote avoids; a conflict between required votes goes to the worse failure
-# silent wrong gradients outrank a loud crash, which outranks lost memory.
-WRONG_GRADIENTS = "wrong_gradients"
-CRASH = "crash"
-NO_MEMORY_SAVED = "no_memory_saved"
+WRONG_GRADIENTS, CRASH, NO_MEMORY_SAVED = Failure.WRONG_GRADIENTS, Failure.CRASH, Failure.NO_MEMORY_SAVED
 FAILURE_ORDER = {WRONG_GRADIENTS: 3, CRASH: 2, NO_MEMORY_SAVED: 1, "": 0}
-
-# The knobs a vote can be about.
-USE_REENTRANT = "use_reentrant"
-INPUT_GRADS_HOOK = "input_grads_hook"
-USE_CACHE_OFF = "use_cache_off"
-EVAL_MODE_FIX = "eval_mode_fix"
-RUN_INLINE = "run_inline"  # a checkpoint call nested in another runs its function directly (CK2)
-KNOBS = (USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX, RUN_INLINE)
+USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF = Knob.USE_REENTRANT, Knob.INPUT_GRADS_HOOK, Knob.USE_CACHE_OFF
+EVAL_MODE_FIX, RUN_INLINE = Knob.EVAL_MODE_FIX, Knob.RUN_INLINE
+KNOBS = tuple(Knob)
 
 
 @dataclass(frozen=True)
@@ -39,6 +80,9 @@ class Rule:
     summary: str
     source: str
     versions: str = "all"
+    # True: the row documents upstream behaviour or a patch point (X1, P3, ...) and never decides
+    # a knob; a vote citing it is refused like an undeclared one
+    documents: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,6 +207,7 @@ class Vote:
     reason: str
     plugin: str = ""
     avoids: str = ""  # for required votes: the failure it prevents
+    unmet: str = ""  # what the user is told when it wins but cannot be applied to this model
     short: str = ""  # the reason in a few words, for the one-line log (the record keeps `reason`)
 
     def to_dict(self) -> dict[str, Any]:

@@ -275,8 +275,8 @@ def _unsupported(torch: Any, model: Any, trainable: list, kwargs: Mapping[str, A
     try:
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             return "the forward runs inside saved-tensor hooks (an outer checkpoint or offload)"
-    except Exception:  # noqa: BLE001 (private API: only a precaution)
-        pass
+    except Exception as exc:  # noqa: BLE001 (private API: only a precaution)
+        log.debug("gcpatch: verify cannot read torch's saved-tensor hooks (%s); checked without it", exc)
     return ""
 
 

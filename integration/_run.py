@@ -6,9 +6,7 @@ GCPATCH=1 with GCPATCH_RECORD=<dir>. Nothing here imports gcpatch.
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +15,10 @@ from importlib import metadata
 from pathlib import Path
 
 from packaging.version import Version
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # scripts run outside pytest too
+from harness import child_env, free_port, parse_results, torchrun_argv  # noqa: E402
+from harness import run as harness_run  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # A decision's short line on the console (gcpatch/headline.py)
@@ -140,30 +142,13 @@ class Run:
         return f"{self.spec.label()} rc={self.returncode} ({self.wall_s:.1f} s)\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-4000:]}"
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH") and k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-    env.update(extra)
-    return env
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now (one per distributed run, so parallel runs never meet)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     """The command line and the extra environment of one launcher."""
     script = [str(SCRIPTS / spec.script), *spec.args]
     if spec.launcher == "python":
         return [sys.executable, *script], {}
     if spec.launcher == "torchrun2":
-        # `python -m torch.distributed.run`, not bin/torchrun: copied venvs keep the old shebang
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}", *script], {}
+        return torchrun_argv(2, *script), {}
     if spec.launcher == "deepspeed1":
         return [sys.executable, *script], dict(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
                                                MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
@@ -173,18 +158,6 @@ def command(spec: Spec) -> tuple[list[str], dict[str, str]]:
 
 def expected_results(spec: Spec) -> int:
     return 2 if spec.launcher == "torchrun2" else 1
-
-
-def parse_results(stdout: str) -> list[dict]:
-    """Every `RESULT {json}` in stdout. Two ranks share one pipe, so a line may hold two of them:
-    each is decoded from where its marker starts, not line by line."""
-    decoder = json.JSONDecoder()
-    results, pos = [], stdout.find("RESULT {")
-    while pos != -1:
-        value, end = decoder.raw_decode(stdout, pos + len("RESULT "))
-        results.append(value)
-        pos = stdout.find("RESULT {", end)
-    return results
 
 
 def run_script(spec: Spec, workdir: Path) -> Run:
@@ -199,7 +172,7 @@ def run_script(spec: Spec, workdir: Path) -> Run:
     if spec.blunt:
         env["PYTHONPATH"] = str(BLUNT)
     start = time.monotonic()
-    proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = harness_run(argv, workdir, env, TIMEOUT_S)
     run = Run(spec, proc.returncode, proc.stdout, proc.stderr, record_dir, time.monotonic() - start)
     results = parse_results(proc.stdout)
     # a distributed run whose ranks crashed may still exit non-zero after printing its RESULT lines

@@ -35,3 +35,13 @@ def test_disable_says_what_it_gave_back(script_runs):
     run = script_runs.get(SCRIPT, gcpatch=True)
     lines = [line for line in run.stderr.splitlines() if "disable" in line and line.startswith("gcpatch: ")]
     assert any("use_cache False -> True on config" in line for line in lines), run.stderr[-3000:]
+
+
+def test_every_disable_of_a_decided_model_is_recorded(script_runs):
+    """The disable goes through the same path as the enable, so `gcpatch explain` shows it."""
+    run = script_runs.get(SCRIPT, gcpatch=True)
+    disables = [e for e in run.records() if e.get("stage") == "disable"]
+    # enable_disable, enable_disable_eval and reentrant_disable switch off a model gcpatch decided for
+    assert len(disables) >= 3, [e.get("stage") for e in run.records()]
+    assert all(e["api"].endswith("checkpointing_disable") for e in disables), disables
+    assert any(e["restored"].get("config") == "use_cache False -> True" for e in disables), disables

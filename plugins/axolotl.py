@@ -20,14 +20,14 @@ log = logging.getLogger("gcpatch")
 RULES = (
     Rule("A1", "unfrozen_parameters + use_reentrant: true is refused by Axolotl; gcpatch decides it first by R1 "
          "(fix: non-reentrant, recorded; strict: GcpatchError; warn: Axolotl refuses as before)",
-         "axolotl/utils/schemas/validation.py (0.19: check_use_reentrant_mismatch), transformers#21381"),
+         "axolotl/utils/schemas/validation.py (0.19: check_use_reentrant_mismatch), transformers#21381", documents=True),
     Rule("A2", "standard training without unfrozen_parameters or rl: Axolotl prefers reentrant (a recommendation)",
          "axolotl/utils/config/__init__.py (0.19: normalize_config)"),
     Rule("A3", "QLoRA + ZeRO-3 + use_reentrant: false may raise CheckpointError: decided by R3",
-         "axolotl/utils/schemas/validation.py (0.19: warn_qlora_zero3_w_use_reentrant)"),
+         "axolotl/utils/schemas/validation.py (0.19: warn_qlora_zero3_w_use_reentrant)", documents=True),
     Rule("A4", "rl + QLoRA + more than one process + reentrant is refused (broken upstream in TRL) -> non-reentrant",
          "axolotl/utils/schemas/validation.py (0.19: check_rl_config_gradient_checkpointing)"),
-    Rule("A5", "checkpointing implies use_cache=False: applied at enable time by R6", "Axolotl"),
+    Rule("A5", "checkpointing implies use_cache=False: applied at enable time by R6", "Axolotl", documents=True),
 )
 
 INFO = PluginInfo(name="axolotl", framework="axolotl", versions=">=0.10,<1", rules=RULES, proven="==0.19.*")

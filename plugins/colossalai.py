@@ -14,7 +14,7 @@ from gcpatch.schema import RECOMMENDED, USE_REENTRANT, Facts, PatchPoint, Plugin
 
 RULES = (
     Rule("C1", "model.train() is ColossalAI's caller's job; left in eval mode, checkpointing does nothing: R5 "
-         "makes it take effect", "applications/Colossal-LLaMA/train.py; colossalai/booster/booster.py (0.5.0: boost)"),
+         "makes it take effect", "applications/Colossal-LLaMA/train.py; colossalai/booster/booster.py (0.5.0: boost)", documents=True),
     Rule("C2", "non-reentrant recommended (a recommendation; LoRA + checkpointing is broken for some models, "
          "e.g. ChatGLM)", "ColossalAI #5507"),
 )

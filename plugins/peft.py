@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from gcpatch import context
 from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import called_by, redecide
+from gcpatch.pipeline import redecide
 from gcpatch.schema import INPUT_GRADS_HOOK, REQUIRED, WRONG_GRADIENTS, Facts, PatchPoint, PluginInfo, Rule, Vote
 
 RULES = (
@@ -17,12 +18,12 @@ RULES = (
          "checkpointed input require grad); non-reentrant needs none", "peft/utils/other.py "
          "(0.21.2: prepare_model_for_kbit_training)"),
     Rule("P2", "gradient_checkpointing_kwargs needs transformers > 4.34.1: below gcpatch's transformers range, "
-         "so never met", "peft/utils/other.py (0.21.2)"),
+         "so never met", "peft/utils/other.py (0.21.2)", documents=True),
     Rule("P3", "prepare_model_for_kbit_training is re-exported (peft, peft.utils, peft.utils.other) and imported by "
          "name elsewhere (trl): every name is patched, and the enable it makes is recorded as peft's",
-         "peft/__init__.py, peft/utils/__init__.py (0.21.2)"),
+         "peft/__init__.py, peft/utils/__init__.py (0.21.2)", documents=True),
     Rule("P4", "wrapping a checkpointed model with PEFT (get_peft_model, PeftModel.from_pretrained, add_adapter) "
-         "decides again with the adapter in place, so both orders end the same", "transformers#26334, #25841"),
+         "decides again with the adapter in place, so both orders end the same", "transformers#26334, #25841", documents=True),
 )
 
 INFO = PluginInfo(name="peft", framework="peft", versions=">=0.10,<1", rules=RULES,
@@ -56,7 +57,7 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
 
 
 def _prepare_kbit(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    with called_by("peft.prepare_model_for_kbit_training"):
+    with context.asking(caller="peft.prepare_model_for_kbit_training"):
         return wrapped(*args, **kwargs)
 
 

@@ -37,7 +37,7 @@ RULES = (
          "`context_fn` or `debug` is only supported when use_reentrant=False')"),
     Rule("CK4", "a call from a module whose checkpointing gcpatch decided at enable time follows that decision "
          "and is not decided again (R1-R6, P1, R3, R4 stand, including R3's reentrant under ZeRO-3)",
-         "gcpatch/checkpoint_call.py"),
+         "gcpatch/checkpoint_call.py", documents=True),
 )
 
 INFO = PluginInfo(name="torch", framework="torch", versions=">=2.0,<3", rules=RULES, proven="==2.13.*")

@@ -14,13 +14,12 @@ Patch points, proved per version by tests/test_patch_points.py:
 """
 from __future__ import annotations
 
-import contextvars
 import copy
-import logging
+import functools
 import sys
 from typing import Any
 
-from gcpatch import apply
+from gcpatch import apply, context
 from gcpatch.hookspecs import hookimpl
 from gcpatch.pipeline import EnableCall, run_disable, run_enable
 from gcpatch.schema import (
@@ -35,27 +34,27 @@ from gcpatch.schema import (
     PatchPoint,
     PluginInfo,
     Rule,
+    Source,
     Vote,
 )
 
 _V5_CHOKE = "_activation_checkpointing_enable"
-_trainer: contextvars.ContextVar[Any] = contextvars.ContextVar("gcpatch_trainer", default=None)
 _USER_KWARGS = "_gcpatch_user_checkpoint_kwargs"
 
 RULES = (
     Rule("X1", "5.x renamed the API to activation_checkpointing_enable (gradient_checkpointing_enable is a "
          "deprecated alias); both reach _activation_checkpointing_enable, which gcpatch wraps",
-         "transformers/modeling_utils.py (5.23.0: activation_checkpointing_enable, _is_overridden)", ">=5.0"),
+         "transformers/modeling_utils.py (5.23.0: activation_checkpointing_enable, _is_overridden)", ">=5.0", documents=True),
     Rule("X2", "transformers installs its input-grads hook only for input_ids models or a loaded adapter; "
          "inputs_embeds, vision and audio inputs are not covered; 5.23 adds one more hook at every "
          "enable_input_require_grads call (its own enable, peft's, TRL's): gcpatch leaves one per embedding",
-         "transformers/modeling_utils.py (5.23.0: _activation_checkpointing_enable; 4.57.6: PEFT only)"),
+         "transformers/modeling_utils.py (5.23.0: _activation_checkpointing_enable; 4.57.6: PEFT only)", documents=True),
     Rule("X3", "the Trainer re-enables checkpointing from TrainingArguments and would overwrite a "
          "model-level choice; gcpatch keeps the user's model-level ask unless TrainingArguments names one",
-         "transformers/trainer.py (4.57.6: _inner_training_loop; 5.23.0: train), transformers#26221"),
+         "transformers/trainer.py (4.57.6: _inner_training_loop; 5.23.0: train), transformers#26221", documents=True),
     Rule("X4", "FSDP's own activation checkpointing together with the Trainer's is refused by the Trainer "
          "itself; gcpatch leaves that error as it is",
-         "transformers/trainer.py (5.23.0: create_accelerator_and_postprocess)"),
+         "transformers/trainer.py (5.23.0: create_accelerator_and_postprocess)", documents=True),
     Rule("R1", "partially frozen model + reentrant -> non-reentrant: reentrant blocks whose inputs need no "
          "grad give their weights no gradients", "transformers#21381, Axolotl A1"),
     Rule("R2", "reentrant kept and a checkpointed layer trains -> input-grads hook on the embedding output "
@@ -83,11 +82,11 @@ def gcpatch_patch_points() -> list[PatchPoint]:
         PatchPoint("transformers.modeling_utils", "PreTrainedModel.gradient_checkpointing_enable",
                    _enable_v4, applies=v4, why="X1: the 4.x entry point"),
         PatchPoint("transformers.modeling_utils", "PreTrainedModel.gradient_checkpointing_disable",
-                   _disable, applies=v4, why="undo gcpatch's hooks with the user's disable"),
+                   functools.partial(_disable, "gradient_checkpointing_disable"), applies=v4, why="undo gcpatch's hooks with the user's disable"),
         PatchPoint("transformers.modeling_utils", f"PreTrainedModel.{_V5_CHOKE}",
                    _enable_v5, applies=v5, why="X1: the 5.x choke point of both enable names"),
         PatchPoint("transformers.modeling_utils", "PreTrainedModel._activation_checkpointing_disable",
-                   _disable, applies=v5, why="undo gcpatch's hooks with the user's disable"),
+                   functools.partial(_disable, "activation_checkpointing_disable"), applies=v5, why="undo gcpatch's hooks with the user's disable"),
         PatchPoint("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads",
                    _enable_input_require_grads, why="X2: one input-grads hook per embedding however often it is called"),
         PatchPoint("transformers.modeling_utils", "PreTrainedModel.disable_input_require_grads",
@@ -131,7 +130,9 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
         votes.append(Vote(EVAL_MODE_FIX, True, REQUIRED, "R5",
                           f"{facts.layers_in_eval_mode} of {facts.checkpointed_layers} checkpointed layers are in "
                           "eval mode at the first training forward: checkpointing would silently do nothing",
-                          avoids=NO_MEMORY_SAVED, short="else no memory saved"))
+                          avoids=NO_MEMORY_SAVED, short="else no memory saved",
+                          unmet="R5: checkpointing is off in eval mode and this model family's layers cannot be "
+                                "switched without changing their forward; call model.train() before training"))
     return votes
 
 
@@ -220,16 +221,16 @@ def _public_name_called() -> str:
 
 
 def _call(model: Any, api: str, asked: Any, kwarg_name: str, invoke: Any, replay: Any) -> EnableCall:
-    trainer = _trainer.get()
+    trainer = context.asker().trainer
     trainer_name = f"{type(trainer).__module__}.{type(trainer).__name__}" if trainer is not None else ""
     if trainer is not None:
-        source = "trainer"
+        source = Source.TRAINER
         asked, asked_from = _attributed(asked, getattr(trainer, "args", None), type(trainer).__name__)
     else:
-        source = "call"
+        source = Source.CALL
         asked_from = f"{type(model).__name__}.{api}({kwarg_name}=...)" if asked else "nothing"
     return EnableCall(model=model, api=api, source=source, asked_kwargs=asked, asked_from=asked_from,
-                      invoke=invoke, replay=replay, trainer=trainer_name)
+                      invoke=invoke, replay=replay, trainer=trainer_name, keeps_ask="X3")
 
 
 def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:
@@ -248,14 +249,10 @@ def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:
     return asked, f"TrainingArguments.{field}"
 
 
-def _disable(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+def _disable(api: str, wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
     """The user's off is final: gcpatch takes back what it changed for the enable (hooks, the
     eval-mode fix, R6's use_cache) so the model is what it would be without gcpatch."""
-    restored = run_disable(model)
-    if restored:
-        logging.getLogger("gcpatch").info(
-            "gcpatch: %s gradient checkpointing disable: %s", type(model).__name__,
-            "; ".join(f"{change} on {where}" for where, change in restored.items()))
+    run_disable(model, api)
     return wrapped(*args, **kwargs)
 
 
@@ -274,11 +271,8 @@ def _disable_input_require_grads(wrapped: Any, model: Any, args: tuple, kwargs: 
 
 
 def _trainer_train(wrapped: Any, trainer: Any, args: tuple, kwargs: dict) -> Any:
-    token = _trainer.set(trainer)
-    try:
+    with context.asking(trainer=trainer):
         return wrapped(*args, **kwargs)
-    finally:
-        _trainer.reset(token)
 
 
 def _training_args_post_init(wrapped: Any, training_args: Any, args: tuple, kwargs: dict) -> Any:

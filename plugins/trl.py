@@ -5,6 +5,8 @@ re-enables through the same patched call on exit, so it gets gcpatch's decision 
 """
 from __future__ import annotations
 
+import logging
+
 from gcpatch.hookspecs import hookimpl
 from gcpatch.schema import CRASH, RECOMMENDED, REQUIRED, USE_REENTRANT, Facts, PluginInfo, Rule, Vote
 
@@ -14,11 +16,11 @@ RULES = (
     Rule("T1", "below transformers 5, TRL trainers default to non-reentrant (a recommendation: the user's value "
          "is kept)", "trl/trainer/sft_trainer.py (1.16.0: setdefault('use_reentrant', False))", "transformers<5"),
     Rule("T2", "PEFT + ZeRO-3: TRL forces reentrant; gcpatch applies it only where DeepSpeed lacks the fix (R3)",
-         "trl/trainer/grpo_trainer.py (1.16.0), trl#2514"),
+         "trl/trainer/grpo_trainer.py (1.16.0), trl#2514", documents=True),
     Rule("T3", "PEFT + checkpointing: TRL calls enable_input_require_grads itself; harmless with either choice",
-         "trl/trainer/sft_trainer.py (1.16.0), transformers#42489"),
+         "trl/trainer/sft_trainer.py (1.16.0), transformers#42489", documents=True),
     Rule("T4", "reentrant + ddp_find_unused_parameters fails; decided by R4 when DDP is built",
-         "trl#4782"),
+         "trl#4782", documents=True),
     Rule("R4-RL", "RL trainer + QLoRA over several processes + reentrant -> non-reentrant",
          "Axolotl A4 (utils/schemas/validation.py), trl#3089"),
 )
@@ -56,4 +58,5 @@ def _major(version: str | None) -> int:
     try:
         return int((version or "0").split(".")[0])
     except ValueError:
+        logging.getLogger("gcpatch").debug("gcpatch: T1: unreadable transformers version %r, taken as 0", version)
         return 0

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
-from subproc import clean_env
+import harness
+from harness import child_env, parse_results, run_python, torchrun_argv
 
 FAULTS = Path(__file__).resolve().parent / "faults"
 TALLY_ENV = "GCPATCH_RELIABILITY_TALLY"  # a JSONL file; unset: nothing is tallied
@@ -38,47 +35,24 @@ def install_fault_plugin(site: Path) -> str:
 
 
 def run(code: str, cwd: Path, args: list[str] | None = None, timeout: float = 240, **env: str):
-    """`code` in a fresh interpreter of this venv (the INSTALLED gcpatch), cwd `cwd`."""
-    cmd = [sys.executable, *(args or []), "-c", textwrap.dedent(code)]
-    try:
-        return subprocess.run(cmd, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:  # a hang: keep what it printed before, for the tally
-        return _timed_out(cmd, exc, timeout)
+    """`code` in a fresh interpreter of this venv (the INSTALLED gcpatch), cwd `cwd`; a hang
+    shows as returncode None (harness.run), for the tally."""
+    return run_python(code, cwd, args, timeout, **env)
 
 
 def torchrun(script: Path, nproc: int, cwd: Path, timeout: float = 240, **env: str):
-    """`script` under `python -m torch.distributed.run`, gloo on CPU; a hang shows as a timeout
-    (returncode None) instead of blocking the suite."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(script)]
-    full = clean_env(OMP_NUM_THREADS="1", **env)
-    try:
-        return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        return _timed_out(cmd, exc, timeout)
-
-
-def _timed_out(cmd, exc, timeout):
-    """returncode None: the command hung and was killed after `timeout` seconds."""
-    out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-    err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-    return subprocess.CompletedProcess(cmd, None, out, err + f"\n[timed out after {timeout}s]")
+    """`script` under torch.distributed.run, gloo on CPU; a hang shows as returncode None."""
+    return harness.run(torchrun_argv(nproc, str(script)), cwd, child_env(quiet=True, **env), timeout)
 
 
 def results(proc) -> list[dict]:
-    """Every `RESULT {json}` line of a single-process run."""
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    """Every RESULT of a single-process run."""
+    return parse_results(proc.stdout or "")
 
 
 def rank_results(directory: Path) -> list[dict]:
     """The rank<N>.json files a torchrun script wrote, by rank."""
     return [json.loads(p.read_text()) for p in sorted(directory.glob("rank*.json"))]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tally(area: str, case: str, survived: bool, clear: bool, lost: bool) -> None:

@@ -11,7 +11,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from subproc import clean_env, requires_transformers, result_of, run_python
+from harness import child_env, free_port, result_of, run_python
+from subproc import requires_transformers
 
 HEAVY = ("wrapt", "pluggy", "torch", "transformers", "importlib.metadata")
 LIST_MODULES = "import sys, json; print('RESULT ' + json.dumps(sorted(sys.modules)))"
@@ -26,7 +27,7 @@ def test_startup_files_are_installed_and_plugins_are_namespaced():
 
 def test_unset_imports_no_gcpatch_module(tmp_path):
     proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True)
+                          env=child_env(quiet=True), capture_output=True, text=True)
     assert proc.returncode == 0
     assert "import time:" in proc.stderr  # importtime did list the start-up imports
     assert "gcpatch" not in proc.stderr
@@ -99,22 +100,15 @@ def test_child_interpreter_inherits_activation_from_import(tmp_path):
     assert result_of(proc) == "True"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_torchrun_ranks_see_gcpatch_active(tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torchrun not installed")
     script = tmp_path / "rank.py"
     script.write_text("import os\nimport gcpatch.activation as a\nprint(f\"RANK{os.environ['RANK']}:{a.is_active()}\")\n")
-    proc = subprocess.run([torchrun, "--nproc_per_node=2", f"--master_port={_free_port()}", str(script)], cwd=tmp_path,
-                          env=clean_env(GCPATCH="1", OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)
+    # the torchrun binary, as users start it
+    proc = subprocess.run([torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", str(script)], cwd=tmp_path,
+                          env=child_env(quiet=True, GCPATCH="1"), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RANK0:True" in proc.stdout and "RANK1:True" in proc.stdout
 

@@ -3,7 +3,8 @@ nests (reentrant checkpointing calls backward inside backward); an unknown error
 the wrapper is installed with the engine and removed with it, by identity."""
 from __future__ import annotations
 
-from subproc import requires_transformers, result_of, run_python
+from harness import result_of, run_python
+from subproc import requires_transformers
 
 pytestmark = requires_transformers
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from subproc import requires_transformers, result_of, run_python
+from harness import result_of, run_python
+from subproc import requires_transformers
 
 pytestmark = requires_transformers
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gcpatch-acme"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from packaging.version import Version
-from subproc import requires_transformers, result_of, run_python, transformers_version
+from harness import result_of, run_python
+from subproc import requires_transformers, transformers_version
 
 pytestmark = requires_transformers
 

@@ -4,7 +4,8 @@ trains with the framework's own behaviour and one log line; strict mode names th
 from __future__ import annotations
 
 import pytest
-from subproc import requires_transformers, result_of, run_python
+from harness import result_of, run_python
+from subproc import requires_transformers
 
 pytestmark = requires_transformers
 

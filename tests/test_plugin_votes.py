@@ -140,7 +140,7 @@ def test_checkpoint_call_rules():
 def _fact_grid():
     for frozen, zero3, kbit, peft, world, unused, stage, trainer, eval_layers in itertools.product(
             (0, 50), (False, True), (False, True), (False, True), (1, 2), (False, True),
-            ("enable", "config", "first_forward"), ("", "trl.GRPOTrainer", "axolotl:rl"), (0, 2)):
+            ("enable", "config", "first_forward"), ("", "trl.GRPOTrainer", "axolotl:rl", "axolotl"), (0, 2)):
         yield facts(frozen_params=frozen, zero3=zero3, kbit=kbit, peft=peft, world_size=world,
                     find_unused_parameters=unused, stage=stage, trainer=trainer, layers_in_eval_mode=eval_layers,
                     source="colossalai Booster.boost" if trainer == "" and peft else "call",
@@ -156,7 +156,8 @@ def _call_grid():
 @pytest.mark.parametrize("name", PLUGINS)
 def test_every_vote_names_a_rule_its_plugin_declares(name):
     module = plugin(name)
-    declared = {rule.id for rule in module.gcpatch_plugin_info().rules}
+    rules = module.gcpatch_plugin_info().rules
+    declared = {rule.id for rule in rules if not rule.documents}
     voted = set()
     if hasattr(module, "gcpatch_vote"):
         for f in _fact_grid():
@@ -164,8 +165,10 @@ def test_every_vote_names_a_rule_its_plugin_declares(name):
     if hasattr(module, "gcpatch_call_vote"):
         for f in _call_grid():
             voted |= {v.rule for v in module.gcpatch_call_vote(f)}
-    assert voted <= declared, f"{name} votes with undeclared rule ids {sorted(voted - declared)}"
+    assert voted <= declared, f"{name} votes with undeclared or documenting rule ids {sorted(voted - declared)}"
     assert voted, f"{name}: no fact in the grid makes any of its rules vote"
+    # a rule marked as deciding that no fact makes vote is a documenting rule in disguise
+    assert declared <= voted, f"{name}: rules {sorted(declared - voted)} never vote: mark them documents=True"
 
 
 class _UndeclaredRulePlugin:
@@ -173,11 +176,13 @@ class _UndeclaredRulePlugin:
 
     @hookimpl
     def gcpatch_plugin_info(self):
-        return PluginInfo(name="undeclared", framework="pluggy", versions=">=0", rules=(Rule("U1", "u", "here"),))
+        return PluginInfo(name="undeclared", framework="pluggy", versions=">=0",
+                          rules=(Rule("U1", "u", "here"), Rule("U3", "documents only", "here", documents=True)))
 
     @hookimpl
     def gcpatch_vote(self, facts):
-        return [Vote(USE_REENTRANT, True, REQUIRED, "U1", "declared"), Vote(USE_REENTRANT, False, REQUIRED, "U2", "not")]
+        return [Vote(USE_REENTRANT, True, REQUIRED, "U1", "declared"), Vote(USE_REENTRANT, False, REQUIRED, "U2", "not"),
+                Vote(INPUT_GRADS_HOOK, True, REQUIRED, "U3", "a documenting rule cannot decide")]
 
 
 def test_a_vote_with_an_undeclared_rule_id_is_dropped_with_a_warning_and_refused_in_strict(caplog):
@@ -187,6 +192,7 @@ def test_a_vote_with_an_undeclared_rule_id_is_dropped_with_a_warning_and_refused
         votes = host.votes(facts())
     assert [v.rule for v in votes] == ["U1"]
     assert "voted with rule 'U2', which its rule table does not declare" in caplog.text
+    assert "voted with rule 'U3', which its rule table does not declare as a voting rule" in caplog.text
     strict = PluginHost(strict=True)
     strict.add(_UndeclaredRulePlugin(), "undeclared")
     with pytest.raises(GcpatchError, match="U2"):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 from packaging.version import Version
-from subproc import requires_transformers, result_of, run_python
+from harness import result_of, run_python
+from subproc import requires_transformers
 
 pytestmark = requires_transformers
 peft = pytest.importorskip("peft")

@@ -12,6 +12,7 @@ import stat
 
 import pytest
 from faultkit import FAULTS, run, tally
+from harness import parse_results
 from subproc import requires_transformers
 
 from gcpatch import cli, record
@@ -90,11 +91,7 @@ def test_record_hazards_never_stop_the_job_nor_touch_foreign_files(tmp_path):
     proc = run(f"import runpy, sys; sys.argv = ['x', {arg!r}]; "
                f"runpy.run_path({str(FAULTS / 'record_hazards.py')!r}, run_name='__main__')",
                tmp_path, timeout=120, GCPATCH="1")
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            entry = json.loads(line[len("RESULT "):])
-            results[entry["case"]] = entry
+    results = {entry["case"]: entry for entry in parse_results(proc.stdout or "")}
     problems = []
     for name, _path, check in cases:
         got = results.get(name)

@@ -7,7 +7,8 @@ from importlib import metadata
 
 import pytest
 from packaging.version import Version
-from subproc import requires_transformers, result_of, run_python
+from harness import result_of, run_python
+from subproc import requires_transformers
 
 try:
     _TRANSFORMERS = Version(metadata.version("transformers"))

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from subproc import result_of, run_python
+from harness import result_of, run_python
 
 PLUGIN = '''
 from gcpatch.hookspecs import hookimpl

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from subproc import result_of, run_python
+from harness import result_of, run_python
 
 SCRIPT = """
 import os, json, warnings, torch, torch.distributed as dist

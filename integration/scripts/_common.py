@@ -42,6 +42,25 @@ def freeze_embeddings_and_first_layer(model) -> None:
         param.requires_grad_(False)
 
 
+def lora(model, seed: int = 123):
+    """LoRA (r=4) on q_proj and v_proj, seeded, as most fine-tuning scripts configure it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
+
+
+def trained_lora_b(model, seed: int = 7) -> None:
+    """LoRA's B starts at zero, so lora_A's gradient is zero: give B a value as after some
+    training, so that every adapter's gradient is a real number to compare."""
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
 def input_ids(batch: int = 2, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, SEQ_LEN), generator=gen)

@@ -15,14 +15,6 @@ import torch
 
 import _common as c
 
-def lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(123)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
-
-
 def loss_and_backward(model, ids, embeds):
     model.zero_grad(set_to_none=True)
     out = model(inputs_embeds=embeds, labels=ids)
@@ -38,14 +30,9 @@ def main() -> None:
     kwargs = {"use_reentrant": True}
 
     # reference: same weights, no checkpointing
-    ref_model = lora(c.llama())
+    ref_model = c.lora(c.llama())
     ref_model.train()
-    # LoRA B starts at zero (so lora_A's gradient is zero): give B a value as after some training
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(7)
-        for name, p in ref_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    c.trained_lora_b(ref_model)
     ids = c.input_ids()
     embeds = ref_model.get_input_embeddings()(ids).detach()
     ref_loss = loss_and_backward(ref_model, ids, embeds)
@@ -59,9 +46,9 @@ def main() -> None:
     try:
         if args.order == "before":
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            model = lora(base)
+            model = c.lora(base)
         else:
-            model = lora(base)
+            model = c.lora(base)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.load_state_dict(ref_model.state_dict())
         model.train()

@@ -30,14 +30,6 @@ def load_4bit(path):
                                                 dtype=torch.float32)
 
 
-def lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(123)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
-
-
 def loss_and_backward(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
@@ -56,13 +48,9 @@ def main() -> None:
     c.llama().save_pretrained(tmp)
     ids = c.input_ids()
 
-    ref_model = lora(load_4bit(tmp))
+    ref_model = c.lora(load_4bit(tmp))
     ref_model.train()
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(7)
-        for name, p in ref_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    c.trained_lora_b(ref_model)
     ref_loss = loss_and_backward(ref_model, ids)
     reference = c.trainable_grads(ref_model)
     quant = type(ref_model.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__
@@ -72,7 +60,7 @@ def main() -> None:
         model = prepare_model_for_kbit_training(model)
     else:
         model.gradient_checkpointing_enable()
-    model = lora(model)
+    model = c.lora(model)
     model.load_state_dict(ref_model.state_dict(), strict=False)
     with torch.no_grad():
         for (name, p), (rname, rp) in zip(model.named_parameters(), ref_model.named_parameters()):

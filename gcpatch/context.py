@@ -1,0 +1,150 @@
+"""The decision context: who is asking, and what gcpatch knows about each model between calls.
+
+One owner for the state a decision reads and leaves behind. `Asker` says who is asking for the
+enable in progress (the user, a Trainer, a framework on the user's behalf, a re-decision after a
+wrap); `ModelContext` is what is known of one model across calls (the user's last explicit ask,
+how to replay the enable, what was learnt when it was wrapped, the last decision); a
+`DecisionContext` joins the two for one enable call. apply.py owns only what was installed on
+the model (hooks, `use_cache`, the eval-mode fix).
+"""
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
+
+from gcpatch.schema import USE_REENTRANT, Source
+
+
+@dataclass(frozen=True)
+class Asker:
+    """Who is asking for the enable call in progress (one context variable holds all of it)."""
+
+    inside: bool = False  # an enable nested in one gcpatch is deciding: the outer decision stands
+    redecided_by: str | None = None  # a re-decision after the model was wrapped (PEFT, DDP)
+    caller: str | None = None  # a framework enabling on the user's behalf (peft's kbit preparation)
+    trainer: Any = None  # the Trainer whose train() is running
+
+
+_asker: contextvars.ContextVar[Asker] = contextvars.ContextVar("gcpatch_asker", default=Asker())
+
+
+def asker() -> Asker:
+    return _asker.get()
+
+
+@contextmanager
+def asking(**changes: Any) -> Iterator[Asker]:
+    """Run a block with these fields of `Asker` set (nested blocks see both)."""
+    token = _asker.set(replace(_asker.get(), **changes))
+    try:
+        yield _asker.get()
+    finally:
+        _asker.reset(token)
+
+
+@dataclass
+class ModelContext:
+    """What gcpatch knows about one model between decisions."""
+
+    ask: dict[str, Any] | None = None  # the user's last explicit model-level checkpoint kwargs
+    ask_from: str = ""
+    replay: Callable[[Any, Any], Any] | None = None  # re-runs the public enable (re-decisions)
+    wrapped: dict[str, Any] = field(default_factory=dict)  # facts learnt at wrap time (DDP)
+    trainer: str = ""
+    last: dict[str, Any] | None = None  # the last decision's record
+
+    @property
+    def enabled(self) -> bool:
+        """Checkpointing is on by an enable gcpatch decided, and no disable came since."""
+        return self.replay is not None
+
+
+_models: weakref.WeakKeyDictionary[Any, ModelContext] = weakref.WeakKeyDictionary()
+
+
+def of(model: Any) -> ModelContext:
+    context = _models.get(model)
+    if context is None:
+        context = _models[model] = ModelContext()
+    return context
+
+
+def known(model: Any) -> ModelContext | None:
+    return _models.get(model)
+
+
+def decided_within(root: Any) -> list[Any]:
+    """The models inside `root` (a DDP or booster wrapper) gcpatch has decided for."""
+    return [module for module in root.modules() if module in _models]
+
+
+@dataclass
+class EnableCall:
+    """A framework's enable call, as the patch point saw it."""
+
+    model: Any
+    api: str
+    source: str  # Source.CALL: the user's code; Source.TRAINER: a Trainer re-enabling (X3); a framework's name
+    asked_kwargs: Mapping[str, Any] | None  # the checkpoint kwargs asked for, None when none were
+    asked_from: str
+    invoke: Callable[[Mapping[str, Any] | None], Any]  # runs the original with these kwargs
+    replay: Callable[[Any, Mapping[str, Any] | None], Any] | None = None  # re-enables a model later
+    trainer: str = ""
+    keeps_ask: str = ""  # the plugin's rule by which an earlier ask stands over a re-enable naming none
+
+
+@dataclass
+class DecisionContext:
+    """One enable call with everything the decision reads: the call, who asked, what was asked
+    in effect (an earlier ask kept over a re-enable that names none), and the model's context."""
+
+    call: EnableCall
+    asker: Asker
+    model: ModelContext
+    source: str
+    asked: Mapping[str, Any] | None
+    asked_from: str
+
+    @property
+    def trainer(self) -> str:
+        return self.call.trainer or self.model.trainer
+
+    def chosen(self, use_reentrant: Any) -> dict[str, Any]:
+        """The kwargs the framework's enable runs with: the ask, with the decided use_reentrant."""
+        return {**(self.asked or {}), USE_REENTRANT: use_reentrant}
+
+    def commit(self, entry: dict[str, Any]) -> None:
+        """Remember what this call leaves for later ones: the user's explicit ask (never a
+        Trainer's re-enable, X3), how to replay the enable, and the decision's record."""
+        call, model = self.call, self.model
+        if call.asked_kwargs is not None and USE_REENTRANT in call.asked_kwargs and self.source != Source.TRAINER:
+            model.ask, model.ask_from = dict(call.asked_kwargs), call.asked_from
+        model.replay = call.replay or model.replay
+        model.trainer = self.trainer
+        model.last = entry
+
+
+def begin(call: EnableCall) -> DecisionContext:
+    """The context of one enable call. A re-enable that names no use_reentrant (the Trainer's
+    from TrainingArguments, TRL's disable_gradient_checkpointing on exit, peft's kbit preparation)
+    would reset the user's earlier choice (the last writer wins, transformers#26221): that earlier
+    ask stands (X3)."""
+    who, model = asker(), of(call.model)
+    source = who.redecided_by or who.caller or call.source
+    asked, asked_from = call.asked_kwargs, call.asked_from
+    if who.redecided_by and model.ask is not None:
+        asked, asked_from = model.ask, f"{model.ask_from} (decided again: {who.redecided_by})"
+    else:
+        if who.caller and call.source == Source.CALL:
+            asked_from = f"{who.caller}(gradient_checkpointing_kwargs=...)" if call.asked_kwargs else \
+                f"nothing ({who.caller})"
+            call.asked_from = asked_from
+        if (call.asked_kwargs is None or USE_REENTRANT not in call.asked_kwargs) and model.ask is not None:
+            asked = {**(call.asked_kwargs or {}), USE_REENTRANT: model.ask[USE_REENTRANT]}
+            asked_from = f"{model.ask_from}, kept over a re-enable that names none" + (
+                f" ({call.keeps_ask})" if call.keeps_ask else "")
+    return DecisionContext(call, who, model, source, asked, asked_from)

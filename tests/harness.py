@@ -1,0 +1,85 @@
+"""The one way every suite, benchmark and matrix cell runs user code: a fresh interpreter of
+this venv (so the INSTALLED gcpatch runs, as a user meets it), an environment that carries none
+of the caller's GCPATCH* variables and never reaches a hub, and one result protocol: the child
+prints `RESULT {json}`, one per process."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+RESULT = "RESULT "
+
+
+def child_env(quiet: bool = False, **extra: str) -> dict[str, str]:
+    """The caller's environment without GCPATCH* or PYTHONPATH (name them in `extra`), offline,
+    one OpenMP thread per process (runs share the cores); `quiet` also mutes Python's and
+    transformers' warnings for tests that do not look at them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH") and k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    if quiet:
+        env.update(TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (one per distributed run, so parallel runs never meet)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_argv(nproc: int, *script: str) -> list[str]:
+    """`python -m torch.distributed.run` (not bin/torchrun: copied venvs keep the old shebang),
+    gloo ranks on this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", *script]
+
+
+def parse_results(stdout: str) -> list[Any]:
+    """Every `RESULT <json>` in stdout. Ranks share one pipe, so a line may hold two of them:
+    each is decoded from where its marker starts, not line by line."""
+    decoder = json.JSONDecoder()
+    results, pos = [], stdout.find(RESULT)
+    while pos != -1:
+        try:
+            value, end = decoder.raw_decode(stdout, pos + len(RESULT))
+        except ValueError:  # the word in other text, not a result
+            end = pos + len(RESULT)
+        else:
+            results.append(value)
+        pos = stdout.find(RESULT, end)
+    return results
+
+
+def result_of(proc: subprocess.CompletedProcess) -> Any:
+    """The RESULT a single-process run printed (its first, where a script prints more)."""
+    results = parse_results(proc.stdout or "")
+    if not results:
+        raise AssertionError(f"no RESULT line\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return results[0]
+
+
+def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a child; a hang shows as returncode None with what it printed before, instead of
+    blocking the suite."""
+    try:
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return subprocess.CompletedProcess(argv, None, out, err + f"\n[timed out after {timeout}s]")  # type: ignore[arg-type]
+
+
+def run_python(code: str, cwd: Path | str, args: list[str] | None = None, timeout: float = 300,
+               **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter of this venv, cwd `cwd` (never the checkout)."""
+    return run([sys.executable, *(args or []), "-c", textwrap.dedent(code)], cwd, child_env(quiet=True, **env),
+               timeout)
