@@ -32,7 +32,7 @@ def line(entry: dict[str, Any]) -> str:
     for index, part in enumerate(parts[1:], 1):
         room = LIMIT - (len(" +9 more") if index < len(parts) - 1 else 0)
         if len(text) + 2 + len(part) > room:
-            return _fit(text) + f" +{len(parts) - index} more"
+            return _fit(text, LIMIT - len(" +9 more")) + f" +{len(parts) - index} more"
         text += "; " + part
     return _fit(text)
 

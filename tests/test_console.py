@@ -106,3 +106,27 @@ def test_another_rank_warns_when_its_line_differs_from_rank_zeros():
                       "(rank 0: gcpatch: M: input-grads hook (R2: y))"], proc.stderr
     assert lines(proc.stderr) == ["gcpatch: M: use_reentrant True -> False (R1: x)",
                                   "gcpatch: M: input-grads hook (R2: y)"] + warned, proc.stderr
+
+
+def _entry(**changes):
+    winners = {"use_reentrant": {"rule": "R1", "reason": "x" * 300 + ": long", "short": "frozen upstream"},
+               "input_grads_hook": {"rule": "R2", "reason": "hook"}, "eval_mode_fix": {"rule": "R5", "reason": "eval"}}
+    entry = {"rank": 0, "stage": "enable", "model": "M" * 40, "api": "enable", "source": "call",
+             "asked": {"use_reentrant": True, "from": "the user"},
+             "applied": {"use_reentrant": False, "input_grads_hook": True, "eval_mode_fix": 2},
+             "why": {}, "decision": {"winners": winners, "overruled": [], "warnings": [], "conflicts": []}}
+    entry.update(changes)
+    return entry
+
+
+def test_headline_says_what_changed_and_the_rule_within_120_characters():
+    from gcpatch import headline
+
+    line = headline.line(_entry())
+    assert line.startswith("gcpatch: " + "M" * 40 + ": use_reentrant True -> False (R1: frozen upstream)"), line
+    assert len(line) <= 120, (len(line), line)
+    long_source = headline.line(_entry(source="DDP(find_unused_parameters=True) (R4)", model="/a/b/tiny/"))
+    assert long_source.startswith("gcpatch: tiny (DDP): use_reentrant True -> False (R1: frozen upstream)"), long_source
+    no_short = _entry()
+    no_short["decision"]["winners"]["use_reentrant"].pop("short")
+    assert len(headline.line(no_short)) <= 120  # the reason's first clause, cut to fit
