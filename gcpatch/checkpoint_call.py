@@ -21,6 +21,7 @@ from typing import Any, Callable
 from gcpatch import engine, record, resolve, settings
 from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
+from gcpatch.facts import named_modules
 from gcpatch.schema import RUN_INLINE, USE_REENTRANT, USER, CallFacts, Decision, Vote
 
 log = logging.getLogger("gcpatch")
@@ -58,7 +59,7 @@ _AS_CALLED = _Outcome()
 def cover(model: Any) -> None:
     """An enable-time decision now governs the checkpoint calls of `model`'s modules (CK4)."""
     label = type(model).__name__
-    for module in model.modules():
+    for _, module in named_modules(model):
         _covered[module] = label
 
 

@@ -43,6 +43,11 @@ def host() -> PluginHost:
     return _host if _host is not None else start()
 
 
+def running() -> PluginHost | None:
+    """The plugin host if the engine is started; never starts it."""
+    return _host
+
+
 def patcher() -> Patcher | None:
     return _patcher
 

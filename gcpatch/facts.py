@@ -5,10 +5,13 @@ Nothing rank-local: a decision that differs between ranks deadlocks DDP.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Mapping
 
 from gcpatch.schema import Facts
@@ -18,13 +21,46 @@ log = logging.getLogger("gcpatch")
 VERSIONED = ("torch", "transformers", "accelerate", "peft", "trl", "deepspeed", "bitsandbytes")
 
 
+# Within one decision the module tree does not change (the framework's enable only sets flags):
+# each model is walked once, however many facts and apply steps look at it.
+_walk: contextvars.ContextVar[dict[tuple[int, str], Any] | None] = contextvars.ContextVar("gcpatch_walk", default=None)
+
+
+@contextmanager
+def one_walk() -> Iterator[None]:
+    token = _walk.set({})
+    try:
+        yield
+    finally:
+        _walk.reset(token)
+
+
+def _walked(model: Any, what: str, compute: Any) -> Any:
+    cache = _walk.get()
+    if cache is None:
+        return compute()
+    key = (id(model), what)
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+def named_modules(model: Any) -> list[tuple[str, Any]]:
+    return _walked(model, "modules", lambda: list(model.named_modules()))
+
+
 def checkpoint_layers(model: Any) -> list[Any]:
     """The modules that checkpoint themselves: transformers' GradientCheckpointingLayer, or on
     model families that predate it, every submodule with a `gradient_checkpointing` flag."""
-    layers = [m for m in model.modules() if is_checkpoint_layer(m)]
+    return _walked(model, "layers", lambda: _checkpoint_layers(model))
+
+
+def _checkpoint_layers(model: Any) -> list[Any]:
+    modules = [m for _, m in named_modules(model)]
+    layers = [m for m in modules if is_checkpoint_layer(m)]
     if layers:
         return layers
-    return [m for m in model.modules() if m is not model and hasattr(m, "gradient_checkpointing")]
+    return [m for m in modules if m is not model and hasattr(m, "gradient_checkpointing")]
 
 
 def is_checkpoint_layer(module: Any) -> bool:
@@ -45,7 +81,11 @@ def checkpoint_stacks(model: Any) -> list[tuple[str, Any, list[Any]]]:
     over them, the blocks). A multi-stack model has several: encoder and decoder, two towers, a
     vision tower and a language model. Blocks are grouped by the container that holds them; on
     families that predate GradientCheckpointingLayer the flagged module runs its own loop."""
-    named = list(model.named_modules())
+    return _walked(model, "stacks", lambda: _checkpoint_stacks(model))
+
+
+def _checkpoint_stacks(model: Any) -> list[tuple[str, Any, list[Any]]]:
+    named = named_modules(model)
     names = {id(m): n for n, m in named}
     modules = dict(named)
     stacks: dict[str, tuple[str, Any, list[Any]]] = {}
@@ -79,7 +119,7 @@ def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
     before the stack on the way from the root down to it, leaving out sibling branches that hold
     a stack of their own (a parallel tower, or a vision tower that only feeds image batches):
     counting those could keep reentrant where a text-only batch loses gradients, so they are not."""
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): n for n, m in named_modules(model)}
     stacks = checkpoint_stacks(model)
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
     owners = {id(owner) for _, owner, _ in stacks} | {id(layer) for _, _, layers in stacks for layer in layers}
@@ -163,6 +203,33 @@ def checkpoint_function() -> str:
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
 
 
+def fsdp_facts(model: Any, context: Mapping[str, Any]) -> dict[str, str]:
+    """FSDP around or inside the model, and FSDP's own activation checkpointing: read from the
+    modules (FSDP1's wrapper class, FSDP2's FSDPModule, CheckpointWrapper), from the wrap being
+    decided now (`context`, the fsdp plugin) and from accelerate's launcher environment (the Trainer
+    enables checkpointing before accelerate wraps the model)."""
+    kinds, wrappers, impls = [], 0, set()
+    if context.get("fsdp"):
+        kinds.append(str(context["fsdp"]))
+    for module in model.modules():
+        names = {cls.__name__ for cls in type(module).__mro__}
+        if "FullyShardedDataParallel" in names and "fsdp1" not in kinds:
+            kinds.append("fsdp1")
+        if "FSDPModule" in names and "fsdp2" not in kinds:
+            kinds.append("fsdp2")
+        if "CheckpointWrapper" in names:
+            wrappers += 1
+            impl = getattr(module, "checkpoint_impl", None)
+            impls.add(str(getattr(impl, "name", impl)).lower())
+    planned = ""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        kinds.append(f"accelerate:fsdp{os.environ.get('FSDP_VERSION', '1')}")
+        if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").lower() == "true":
+            planned = "accelerate FSDP plugin activation_checkpointing (planned)"
+    checkpointing = f"checkpoint_wrapper: {wrappers} modules ({', '.join(sorted(impls))})" if wrappers else planned
+    return {"fsdp": ", ".join(kinds), "fsdp_checkpointing": checkpointing}
+
+
 def _numel(param: Any) -> int:
     """ZeRO-3 partitions parameters in place (numel() is 0 after deepspeed.zero.Init): ds_numel
     holds the real size."""
@@ -176,7 +243,7 @@ def use_cache_configs(model: Any) -> dict[str, Any]:
     found: dict[str, Any] = {}
     seen: set[int] = set()
     todo: list[tuple[str, Any]] = []
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         config = module.__dict__.get("config")
         if config is not None and hasattr(config, "to_dict"):
             todo.append((f"{name}.config" if name else "config", config))
@@ -219,7 +286,7 @@ def gather(
     asked = dict(asked_kwargs or {})
     config = getattr(model, "config", None)
     world_size = _int_env("WORLD_SIZE", 1)
-    return Facts(
+    return _with_framework_facts(Facts(
         stage=stage,
         api=api,
         source=source,
@@ -248,7 +315,8 @@ def gather(
         grad_enabled=_grad_enabled(),
         find_unused_parameters=bool(context.get("find_unused_parameters", False)),
         trainer=trainer,
-    )
+        **fsdp_facts(model, context),
+    ))
 
 
 def for_config(
@@ -268,7 +336,7 @@ def for_config(
     yet: a config that freezes part of the model counts one frozen and one trainable tensor, so
     `partially_frozen` holds; the model-level decision later sees the real counts."""
     asked = dict(asked_kwargs or {})
-    return Facts(
+    return _with_framework_facts(Facts(
         stage="config", api=api, source="config", model_class=model_class,
         asked_use_reentrant=_as_bool(asked.get("use_reentrant")), asked_from=asked_from, asked_kwargs=asked,
         trainable_params=1, frozen_params=1 if partially_frozen else 0, embeddings_trainable=None,
@@ -276,7 +344,16 @@ def for_config(
         layers_in_eval_mode=0, checkpoint_layer_api=True, use_cache=None, peft=peft, kbit=kbit,
         zero3=zero3, world_size=world_size, distributed="ddp" if world_size > 1 else "none",
         versions=versions(), trainer=trainer,
-    )
+    ))
+
+
+def _with_framework_facts(facts: Facts) -> Facts:
+    """What the running plugins know about their frameworks (`gcpatch_facts`: a release gate one
+    plugin owns and another plugin's rule reads). None outside a running engine (unit tests)."""
+    from gcpatch import engine
+
+    host = engine.running()
+    return host.with_framework_facts(facts) if host is not None else facts
 
 
 def versions() -> Mapping[str, str | None]:
@@ -323,7 +400,7 @@ def _embeddings_trainable(model: Any) -> bool | None:
 
 
 def _has_peft_modules(model: Any) -> bool:
-    return any(type(m).__module__.startswith("peft.") for m in model.modules())
+    return any(type(m).__module__.startswith("peft.") for _, m in named_modules(model))
 
 
 def _zero3(model: Any) -> bool:

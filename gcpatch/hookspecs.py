@@ -6,6 +6,8 @@ where its framework decides, builds the call, and every rule answers `gcpatch_vo
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pluggy
 
 from gcpatch.schema import CallFacts, Facts, PatchPoint, PluginInfo, Vote
@@ -40,6 +42,16 @@ class PluginSpec:
 
         Return the votes of this plugin's rules that apply to these facts (an empty list when
         none does). Votes must depend on `facts` alone, so that every rank decides the same.
+        """
+
+    @hookspec
+    def gcpatch_facts(self, facts: Facts) -> dict[str, Any]:
+        """Called for every decision, before any plugin votes, with the facts gathered so far.
+
+        Return what this plugin knows about its framework that rules of other plugins need
+        (name -> plain value, e.g. whether this DeepSpeed release recomputes ZeRO-3 frozen
+        parameters under non-reentrant checkpointing), so that no plugin hard-codes another's
+        release gates. Merged into `facts.framework_facts` and recorded. Optional.
         """
 
     @hookspec

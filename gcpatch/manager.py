@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
+from typing import Any, Mapping
 
 import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -131,6 +132,32 @@ class PluginHost:
         A partial vote could be wrong, so none of that plugin's votes count. Strict mode
         raises instead (`PluginFailure`, turned into a GcpatchError by the pipeline)."""
         return self._gather("gcpatch_vote", facts)
+
+    def with_framework_facts(self, facts: Facts) -> Facts:
+        """`facts` with every active plugin's `gcpatch_facts` merged into `framework_facts`.
+        A plugin that raises or answers something other than a mapping of names is left out of
+        this decision with one warning (strict: `PluginFailure`); a name two plugins give keeps
+        the first plugin's value, with a warning."""
+        merged: dict[str, Any] = dict(facts.framework_facts)
+        for status in self.active():
+            try:
+                found = self._call_one(status.name, "gcpatch_facts", facts=facts)
+                if found is None:
+                    continue
+                if not isinstance(found, Mapping) or not all(isinstance(k, str) for k in found):
+                    raise TypeError(f"gcpatch_facts returned {_describe(found)}, not a mapping of names")
+            except Exception as exc:
+                if self._strict:
+                    raise PluginFailure(status.name, "gcpatch_facts", exc) from exc
+                self._dropped(status.name, "gcpatch_facts", exc)
+                continue
+            for name, value in found.items():
+                if name in merged and merged[name] != value:
+                    log.warning("gcpatch: plugin %s gives fact %r=%r, already %r from another plugin; the first "
+                                "stands", status.name, name, value, merged[name])
+                    continue
+                merged[name] = value
+        return replace(facts, framework_facts=merged) if merged != facts.framework_facts else facts
 
     def call_votes(self, facts: CallFacts) -> list[Vote]:
         """Every active plugin's votes on one checkpoint call's facts (`gcpatch_call_vote`),

@@ -29,6 +29,11 @@ def run_enable(call: EnableCall) -> Any:
     cfg = settings.read()
     engine.reinstate()  # a tool that rebound a patch point since the last decision is wrapped again
     ctx = context.begin(call)
+    with facts_mod.one_walk():
+        return _decide_enable(call, ctx, cfg)
+
+
+def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings.Settings) -> Any:
     try:
         facts = facts_mod.gather(call.model, stage=Stage.ENABLE, api=call.api, source=ctx.source,
                                  asked_kwargs=ctx.asked, asked_from=ctx.asked_from, context=ctx.model.wrapped,
@@ -110,6 +115,11 @@ def redecide_within(root: Any, source: str, **wrapped: Any) -> None:
 def run_first_forward(model: Any) -> None:
     """R5, decided when the first forward that builds a graph runs (the mode the user trains in
     is known only then)."""
+    with facts_mod.one_walk():
+        _decide_first_forward(model)
+
+
+def _decide_first_forward(model: Any) -> None:
     cfg = settings.read()
     known = context.of(model)
     last = known.last or {}

@@ -71,6 +71,11 @@ USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF = Knob.USE_REENTRANT, Knob.INPUT_
 EVAL_MODE_FIX, RUN_INLINE = Knob.EVAL_MODE_FIX, Knob.RUN_INLINE
 KNOBS = tuple(Knob)
 
+# Framework facts one plugin publishes (gcpatch_facts) for other plugins' rules to read.
+# True: non-reentrant recompute of ZeRO-3-partitioned frozen parameters works on this DeepSpeed;
+# False: it raises CheckpointError (the deepspeed plugin owns the release gate, R3). Absent: unknown.
+ZERO3_NONREENTRANT_RECOMPUTE = "zero3_nonreentrant_recompute"
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -155,6 +160,12 @@ class Facts:
     stacks: tuple[Mapping[str, Any], ...] = ()
     # a checkpoint function other than torch's that the layers will call ("": torch's)
     checkpoint_function: str = ""
+    # FSDP wrapping the model: "fsdp1" | "fsdp2" (wrapped, or wrapping now), "accelerate:fsdpN" (launcher), ""
+    fsdp: str = ""
+    # FSDP's own activation checkpointing: "checkpoint_wrapper: N modules (impl)", "accelerate: planned", ""
+    fsdp_checkpointing: str = ""
+    # what plugins know about their frameworks for other plugins' rules (gcpatch_facts), by name
+    framework_facts: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def partially_frozen(self) -> bool:
@@ -167,6 +178,7 @@ class Facts:
         data["versions"] = dict(self.versions)
         data["use_cache_configs"] = dict(self.use_cache_configs)
         data["stacks"] = [dict(stack) for stack in self.stacks]
+        data["framework_facts"] = {k: _plain(v) for k, v in self.framework_facts.items()}
         data["partially_frozen"] = self.partially_frozen
         return data
 

@@ -33,15 +33,7 @@ CHOICES = ("false", "unset", "true")
 RUNS = [Spec(SCRIPT, ("--reentrant", x), launcher=LAUNCH) for x in ("nogc", *CHOICES)]
 ASKED = {"false": False, "unset": None, "true": True}
 
-# On a fixed DeepSpeed, R1 (PEFT + reentrant -> non-reentrant) should decide the user's True as it
-# does without ZeRO-3. It does not yet: facts now count ZeRO-3-partitioned sizes (ds_numel), but the
-# transformers plugin keeps R1 off under ZeRO-3 on every release, because on DeepSpeed < 0.19.3 a
-# required R1 would outrank R3 (wrong gradients > crash) and crash the run.
-NUMEL_BUG = pytest.mark.xfail(strict=True, reason=(
-    "gcpatch gap: R1 stands back under ZeRO-3 on every DeepSpeed release; on fixed releases it should "
-    "apply, which needs R1 to know R3's release gate"))
-CHOICE = [pytest.param(x, id=f"use_reentrant={x}",
-                       marks=[NUMEL_BUG] if (FIXED and x == "true") else []) for x in CHOICES]
+CHOICE = [pytest.param(x, id=f"use_reentrant={x}") for x in CHOICES]
 
 
 def _get(script_runs, choice, gcpatch):
@@ -58,9 +50,9 @@ def _expected(choice: str) -> tuple[bool, str]:
     """(applied use_reentrant, rule) the rules give on this DeepSpeed."""
     if not FIXED:
         return True, "R3"
-    if choice == "true":
-        return False, "R1"
-    return False, "USER" if choice == "false" else "DEFAULT"
+    # LoRA freezes the base below the adapted blocks: R1, which reads the deepspeed plugin's gate
+    # (zero3_nonreentrant_recompute), applies whatever was asked, as it does without ZeRO-3
+    return False, "R1"
 
 
 @pytest.mark.parametrize("choice", [pytest.param(x, id=f"use_reentrant={x}") for x in CHOICES])

@@ -11,7 +11,17 @@ from packaging.version import InvalidVersion, Version
 
 from gcpatch.facts import installed_version
 from gcpatch.hookspecs import hookimpl
-from gcpatch.schema import CRASH, INPUT_GRADS_HOOK, REQUIRED, USE_REENTRANT, Facts, PluginInfo, Rule, Vote
+from gcpatch.schema import (
+    CRASH,
+    INPUT_GRADS_HOOK,
+    REQUIRED,
+    USE_REENTRANT,
+    ZERO3_NONREENTRANT_RECOMPUTE,
+    Facts,
+    PluginInfo,
+    Rule,
+    Vote,
+)
 
 # The first release whose runtime/zero/partitioned_param_coordinator.py skips frozen params
 # during checkpoint recompute (`in_checkpoint_recompute`, absent from 0.19.2; DeepSpeed PR #8148).
@@ -39,10 +49,20 @@ def gcpatch_patch_points() -> list:
 
 
 @hookimpl
+def gcpatch_facts(facts: Facts) -> dict:
+    """The release gate of R3, for the rules that must stand back where non-reentrant would crash
+    (R1 under ZeRO-3): published, not copied, so it lives here only."""
+    version = _version(facts)
+    if not facts.zero3 or version is None:
+        return {}
+    return {ZERO3_NONREENTRANT_RECOMPUTE: not _lacks_fix(version)}
+
+
+@hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
     if facts.stage not in ("enable", "config") or not facts.zero3 or not (facts.peft or facts.frozen_params):
         return []
-    version = facts.versions.get("deepspeed") or installed_version("deepspeed")  # a config is decided before the import
+    version = _version(facts)
     if not _lacks_fix(version):
         return []
     why = (f"ZeRO-3 with frozen parameters on DeepSpeed {version} (< {FIRST_FIXED}): "
@@ -51,6 +71,10 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                  short=f"ZeRO-3 + frozen params, DeepSpeed {version}: non-reentrant crashes"),
             Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R3", "reentrant kept for ZeRO-3: the first input must need grad",
                  avoids=CRASH)]
+
+
+def _version(facts: Facts) -> str | None:
+    return facts.versions.get("deepspeed") or installed_version("deepspeed")  # a config is decided before the import
 
 
 def _lacks_fix(version: str | None) -> bool:

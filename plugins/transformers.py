@@ -30,6 +30,7 @@ from gcpatch.schema import (
     USE_CACHE_OFF,
     USE_REENTRANT,
     WRONG_GRADIENTS,
+    ZERO3_NONREENTRANT_RECOMPUTE,
     Facts,
     PatchPoint,
     PluginInfo,
@@ -56,7 +57,9 @@ RULES = (
          "itself; gcpatch leaves that error as it is",
          "transformers/trainer.py (5.23.0: create_accelerator_and_postprocess)", documents=True),
     Rule("R1", "partially frozen model + reentrant -> non-reentrant: reentrant blocks whose inputs need no "
-         "grad give their weights no gradients", "transformers#21381, Axolotl A1"),
+         "grad give their weights no gradients; under ZeRO-3 only where the deepspeed plugin publishes that "
+         "non-reentrant recompute of partitioned frozen parameters works (its R3 gate)",
+         "transformers#21381, Axolotl A1, DeepSpeed #8148"),
     Rule("R2", "reentrant kept and a checkpointed layer trains -> input-grads hook on the embedding output "
          "and on inputs_embeds", "torch.utils.checkpoint docs, X2, peft#137"),
     Rule("R5", "checkpointing enabled but the first grad-enabled forward runs with the layers in eval mode -> "
@@ -101,13 +104,13 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
     votes: list[Vote] = []
-    if facts.stage == "config" and facts.partially_frozen and not facts.zero3:
+    if facts.stage == "config" and facts.partially_frozen and not _zero3_needs_reentrant(facts):
         votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", "the config freezes part of the model: reentrant "
                           "would drop the gradients of layers whose inputs need none", avoids=WRONG_GRADIENTS,
                           short="partly frozen: layers would get no gradients"))
     if facts.stage == "enable":
         starved = _stacks_without_input_grads(facts)
-        if starved and not facts.zero3:
+        if starved and not _zero3_needs_reentrant(facts):
             if facts.checkpoint_function:
                 starved += (f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may run "
                             "reentrant whatever it is asked (offloading checkpointers): gcpatch also puts the "
@@ -144,6 +147,13 @@ def _starved_short(facts: Facts) -> str:
     if not blocks:
         return "partly frozen: layers would get no gradients"
     return f"frozen upstream, {blocks} blocks would lose gradients"
+
+
+def _zero3_needs_reentrant(facts: Facts) -> bool:
+    """R1 stands back under ZeRO-3 unless the DeepSpeed plugin says this release recomputes
+    partitioned frozen parameters non-reentrant (its R3 gate, published as a framework fact): a
+    required non-reentrant would outrank R3's reentrant + hook there and crash the run."""
+    return facts.zero3 and facts.framework_facts.get(ZERO3_NONREENTRANT_RECOMPUTE) is not True
 
 
 def _stacks_without_input_grads(facts: Facts) -> str:
