@@ -18,7 +18,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from gcpatch import apply, context, record
+from gcpatch import apply, console, context, record
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import checkpoint_layers
 
@@ -83,6 +83,7 @@ def agree(root: Any, group: Any = None, error: BaseException | None = None,
                     "(%s: %s); DDP goes on unchecked", me, list(ranks), wait.total_seconds(), type(exc).__name__, exc)
         _reraise(error)
         return
+    console.exchange(store)  # every rank is here: rank 0's decision lines are published by now
     verdict = _verdict(found)
     if verdict:
         raise GcpatchError(verdict, rule=RULE, fix="fix the failure the differing rank logged, or run every rank "

@@ -35,6 +35,7 @@ class ModelState:
     takes all of it back (what the user asked lives in gcpatch.context)."""
 
     input_hooks: list[Any] = field(default_factory=list)
+    embeddings_hook_wanted: bool = False  # R2/X2 asked for a hook on the embedding output (transformers' or ours)
     first_forward: list[Any] = field(default_factory=list)  # R5's one-shot pre-hooks, one per stack runner
     eval_fixed: list[tuple[Any, Any]] = field(default_factory=list)
     mode_sync: list[Any] = field(default_factory=list)  # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
@@ -289,15 +290,10 @@ def _install_input_hooks(model: Any, state: ModelState) -> None:
     """R2/X2: reentrant checkpointing gives no gradients to a block none of whose inputs needs
     one. Make the first checkpointed input require grad, whether it comes from the embedding
     (frozen embeddings) or straight from the caller (`inputs_embeds`, which transformers' own
-    `enable_input_require_grads` never sees)."""
-    try:
-        embeddings = model.get_input_embeddings()
-    except Exception as exc:  # noqa: BLE001
-        log.debug("gcpatch: R2: %s has no input embeddings (%s: %s); only the inputs_embeds hook is installed",
-                  type(model).__name__, type(exc).__name__, exc)
-        embeddings = None
-    if embeddings is not None and hasattr(embeddings, "register_forward_hook"):
-        state.input_hooks.append(embeddings.register_forward_hook(_output_requires_grad))
+    `enable_input_require_grads` never sees). Where transformers' own hook already sits on the
+    embedding, it is the one: one input-grads hook per embedding (`dedupe_input_grads_hooks`)."""
+    state.embeddings_hook_wanted = True
+    _hook_embeddings(model, state)
     modules = [model]
     base = getattr(model, "base_model", None)
     if base is not None and base is not model:
@@ -306,10 +302,75 @@ def _install_input_hooks(model: Any, state: ModelState) -> None:
         state.input_hooks.append(module.register_forward_pre_hook(_inputs_embeds_require_grad, with_kwargs=True))
 
 
+def _embeddings_of(model: Any) -> Any:
+    try:
+        embeddings = model.get_input_embeddings()
+    except Exception as exc:  # noqa: BLE001
+        log.debug("gcpatch: R2: %s has no input embeddings (%s: %s); only the inputs_embeds hook is installed",
+                  type(model).__name__, type(exc).__name__, exc)
+        return None
+    return embeddings if hasattr(embeddings, "register_forward_hook") else None
+
+
+def _hook_embeddings(model: Any, state: ModelState) -> None:
+    embeddings = _embeddings_of(model)
+    if embeddings is None or _transformers_hooks(embeddings):
+        return
+    if any(getattr(h, "gcpatch_embeddings", False) for h in state.input_hooks):
+        return
+    handle = embeddings.register_forward_hook(_output_requires_grad)
+    handle.gcpatch_embeddings = True
+    state.input_hooks.append(handle)
+
+
+# transformers' `enable_input_require_grads` hook (5.x: make_inputs_require_grads; 4.x:
+# make_inputs_require_grad), also installed by peft and TRL through that method.
+_TRANSFORMERS_HOOKS = ("enable_input_require_grads.<locals>.make_inputs_require_grads",
+                       "enable_input_require_grads.<locals>.make_inputs_require_grad")
+
+
+def _transformers_hooks(embeddings: Any) -> list[int]:
+    hooks = getattr(embeddings, "_forward_hooks", None) or {}
+    return [key for key, fn in hooks.items() if getattr(fn, "__qualname__", "").endswith(_TRANSFORMERS_HOOKS)]
+
+
+def dedupe_input_grads_hooks(model: Any) -> int:
+    """Before transformers' `enable_input_require_grads` adds its hook (transformers 5.23 adds one
+    on every call and drops the handle of the last; TRL enables again after the Trainer's enable,
+    trl#480): take away the earlier ones, and gcpatch's own on the same embedding, so the call
+    leaves exactly one. Returns how many were removed."""
+    removed = 0
+    for module in model.modules():
+        embeddings = _embeddings_of(module) if hasattr(module, "get_input_embeddings") else None
+        if embeddings is None:
+            continue
+        for key in _transformers_hooks(embeddings):
+            for table in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+                getattr(embeddings, table, {}).pop(key, None)
+            removed += 1
+        state = _states.get(module)
+        if state is not None:
+            for handle in [h for h in state.input_hooks if getattr(h, "gcpatch_embeddings", False)]:
+                handle.remove()
+                state.input_hooks.remove(handle)
+                removed += 1
+    return removed
+
+
+def rehook_embeddings(model: Any) -> None:
+    """transformers' hook was taken away (`disable_input_require_grads`) while a decision still
+    wants one (R2): gcpatch's own goes back."""
+    for module in model.modules():
+        state = _states.get(module)
+        if state is not None and state.embeddings_hook_wanted:
+            _hook_embeddings(module, state)
+
+
 def _remove_input_hooks(state: ModelState) -> None:
     for handle in state.input_hooks:
         handle.remove()
     state.input_hooks.clear()
+    state.embeddings_hook_wanted = False
 
 
 def _output_requires_grad(module: Any, args: Any, output: Any) -> None:

@@ -17,7 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     explain = sub.add_parser("explain", help="the recorded decisions, per rank")
     explain.add_argument("path", nargs="?", default=os.environ.get("GCPATCH_RECORD"),
                          help="a GCPATCH_RECORD directory or one JSONL file (default: $GCPATCH_RECORD)")
-    explain.add_argument("-v", "--verbose", action="store_true", help="also print every vote and the facts")
+    explain.add_argument("-v", "--verbose", action="store_true", help="also print what was asked, every vote, the warnings and the facts")
     rules = sub.add_parser("rules", help="the rule table of every active plugin")
     rules.add_argument("--markdown", action="store_true",
                        help="every built-in plugin's rules as the markdown of docs/RULES.md, installed or not")
@@ -78,18 +78,18 @@ def _explain(path: str | None, verbose: bool) -> int:
     if not found.entries and not found.damaged:
         print(f"gcpatch explain: no decisions recorded under {path}")
         return 0
+    by_rank: dict[str, list[str]] = {}
     for entry in found.entries:
-        if "line" in entry:  # a verify result or a crash explanation carries its own text
-            print(entry["line"])
-            for text in entry.get("details", ()):
-                print(f"    {text}")
-            continue
-        missing = _missing_fields(entry)
-        if missing:
-            print(f"gcpatch: rank {entry.get('rank', '?')} {entry.get('stage', '?')}: incomplete record, "
-                  f"missing {', '.join(missing)}")
-            continue
-        _explain_entry(entry, record.summary(entry), verbose)
+        by_rank.setdefault(str(entry.get("rank", "?")), []).extend(_explain_lines(entry, verbose))
+    first = next(iter(by_rank), None)
+    for rank_, lines in by_rank.items():
+        if len(by_rank) > 1:
+            if rank_ != first and lines == by_rank[first]:
+                print(f"rank {rank_}: the same {len(lines)} line(s) as rank {first}")
+                continue
+            print(f"rank {rank_}:")
+        for text in lines:
+            print(text)
     if found.damaged:
         print(f"gcpatch explain: skipped {len(found.damaged)} damaged line(s) "
               "(a rank killed mid-write leaves a truncated line):", file=sys.stderr)
@@ -119,27 +119,39 @@ def _missing_fields(entry: dict) -> list[str]:
     return missing
 
 
-def _explain_entry(entry: dict, line: str, verbose: bool) -> None:
-    print(line)
-    if "failed_open" in entry:
-        return
+def _explain_lines(entry: dict, verbose: bool) -> list[str]:
+    """One short line per decision (gcpatch/headline.py); with `verbose`, the detail line, every
+    vote that won or lost, the warnings and the facts."""
+    from gcpatch import headline
+
+    if "line" in entry:  # a verify result or a crash explanation carries its own text
+        return [entry["line"]] + [f"    {text}" for text in entry.get("details", ())]
+    missing = _missing_fields(entry)
+    if missing:
+        return [f"gcpatch: rank {entry.get('rank', '?')} {entry.get('stage', '?')}: incomplete record, "
+                f"missing {', '.join(missing)}"]
+    out = [headline.line(entry)]
+    if not verbose or "failed_open" in entry:
+        return out
+    out.append("    " + headline.detail(entry))
     decision = entry["decision"]
     for knob, vote in decision["winners"].items():
         vote = vote if isinstance(vote, dict) else {}
         if knob in entry["applied"]:
-            print(f"    {knob} = {vote.get('value')!r:6} by {vote.get('rule', '?')} ({vote.get('strength', '?')}): "
-                  f"{vote.get('reason', '')}")
+            out.append(f"    {knob} = {vote.get('value')!r:6} by {vote.get('rule', '?')} ({vote.get('strength', '?')}): "
+                       f"{vote.get('reason', '')}")
         else:
-            print(f"    {knob}: not needed with this choice ({vote.get('rule', '?')} voted {vote.get('value')!r})")
+            out.append(f"    {knob}: not needed with this choice ({vote.get('rule', '?')} voted {vote.get('value')!r})")
     for vote in decision["overruled"]:
         vote = vote if isinstance(vote, dict) else {}
-        print(f"    overruled: {vote.get('rule', '?')} ({vote.get('strength', '?')}) wanted "
-              f"{vote.get('knob', '?')}={vote.get('value')!r}")
+        out.append(f"    overruled: {vote.get('rule', '?')} ({vote.get('strength', '?')}) wanted "
+                   f"{vote.get('knob', '?')}={vote.get('value')!r}")
     for text in decision["warnings"] + decision["conflicts"]:
-        print(f"    warning: {text}")
-    if verbose and isinstance(entry.get("facts"), dict):
+        out.append(f"    warning: {text}")
+    if isinstance(entry.get("facts"), dict):
         for key, value in entry["facts"].items():
-            print(f"      fact {key} = {value!r}")
+            out.append(f"      fact {key} = {value!r}")
+    return out
 
 
 def _rules() -> int:

@@ -1,5 +1,6 @@
-"""Recording decisions: one INFO line each on the `gcpatch` logger, a JSONL file per rank when
-GCPATCH_RECORD names a directory, and an in-process history for `gcpatch.decisions()`."""
+"""Recording decisions: one short line each on the `gcpatch` logger, said once per job
+(gcpatch/console.py; the details at DEBUG), a JSONL file per rank when GCPATCH_RECORD names a
+directory, and an in-process history for `gcpatch.decisions()`."""
 from __future__ import annotations
 
 import errno
@@ -10,6 +11,7 @@ import stat
 import time
 from typing import Any
 
+from gcpatch import console, headline
 from gcpatch.facts import rank
 from gcpatch.schema import CallFacts, Decision, Facts, Stage
 
@@ -17,25 +19,10 @@ log = logging.getLogger("gcpatch")
 _history: list[dict[str, Any]] = []
 
 
-class _FallbackHandler(logging.StreamHandler):
-    """Prints gcpatch's lines on stderr unless the application configured logging itself."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger().handlers:
-            return  # the root logger's handlers get it through propagation
-        super().emit(record)
-
-
 def configure_logging(level: str) -> None:
-    if any(isinstance(h, _FallbackHandler) for h in log.handlers):
-        return
-    if level == "off":
-        log.setLevel(logging.CRITICAL + 1)
-        return
-    log.setLevel(getattr(logging, level.upper(), logging.INFO))
-    handler = _FallbackHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
+    """gcpatch's logger and its console handler (gcpatch/console.py: visible under any launcher,
+    without touching the host's own logging configuration)."""
+    console.install(level)
 
 
 def applied_rules(outcome: Decision, applied: dict[str, Any]) -> list[str]:
@@ -75,9 +62,13 @@ def decision(
         "facts": facts.to_dict(),
     }
     _history.append(entry)
-    log.log(logging.DEBUG if quiet else logging.INFO, "%s", summary(entry))
+    console.say(summary(entry), headline.detail(entry),
+                f"{facts.model_class}.{facts.api}/{facts.stage}/{facts.source}", quiet=quiet,
+                gist=summary({**entry, "source": "call"}))
     for text in outcome.warnings + outcome.conflicts:
-        log.warning("gcpatch: warning: %s", text)
+        log.debug("gcpatch: warning: %s", text)
+    for text in headline.warnings(entry):
+        console.warn(text)
     if record_dir:
         _write(entry, record_dir)
     return entry
@@ -103,9 +94,11 @@ def call_site(
         "facts": facts.to_dict(),
     }
     _history.append(entry)
-    log.info("%s", summary(entry))
+    console.say(summary(entry), headline.detail(entry), f"call/{site}")
     for text in outcome.warnings + outcome.conflicts:
-        log.warning("gcpatch: warning: %s (at %s)", text, site)
+        log.debug("gcpatch: warning: %s (at %s)", text, site)
+    for text in headline.warnings(entry):
+        console.warn(text)
     if record_dir:
         _write(entry, record_dir)
     return entry
@@ -141,19 +134,8 @@ def event(entry: dict[str, Any], record_dir: str | None) -> dict[str, Any]:
 
 
 def summary(entry: dict[str, Any]) -> str:
-    """The one line a decision gets: where, what was asked, what was applied, which rule, why."""
-    if "failed_open" in entry:
-        return f"gcpatch: rank {entry['rank']} {entry['stage']}: failed open, original behaviour ({entry['failed_open']})"
-    if entry.get("stage") == "call":
-        applied = ", ".join(f"{k}={v}" for k, v in entry["applied"].items()) or "left as called"
-        why = "; ".join(entry["why"].values())
-        return f"gcpatch: rank {entry['rank']} checkpoint call at {entry['site']}: {applied}" + (f" | {why}" if why else "")
-    asked = entry["asked"]
-    ask = "nothing" if asked["use_reentrant"] is None else f"use_reentrant={asked['use_reentrant']}"
-    applied = ", ".join(f"{k}={v}" for k, v in entry["applied"].items()) or "nothing"
-    why = "; ".join(f"{knob}: {reason}" for knob, reason in entry["why"].items())
-    head = f"gcpatch: rank {entry['rank']} {entry['model']}.{entry['api']} ({entry['source']}, {entry['stage']})"
-    return f"{head}: asked {ask} [{asked['from']}] -> applied {applied} | {why}"
+    """The short line a decision gets (gcpatch/headline.py); `headline.detail` has the rest."""
+    return headline.line(entry)
 
 
 def read(path: str) -> list[dict[str, Any]]:

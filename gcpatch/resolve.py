@@ -42,10 +42,10 @@ def stance_votes(facts: Facts) -> list[Vote]:
     votes = []
     if facts.asked_use_reentrant is not None:
         votes.append(Vote(USE_REENTRANT, facts.asked_use_reentrant, USER, "USER",
-                          f"asked for by {facts.asked_from}", plugin="core"))
+                          f"asked for by {facts.asked_from}", plugin="core", short="as asked"))
     votes.append(Vote(USE_REENTRANT, False, DEFAULT, "DEFAULT",
                       "no rule applies: non-reentrant, as PyTorch recommends (torch.utils.checkpoint docs)",
-                      plugin="core"))
+                      plugin="core", short="no rule applies, PyTorch's recommendation"))
     return votes
 
 

@@ -52,8 +52,8 @@ def assert_explain_lists_every_decision(run: Run) -> str:
     that chose use_reentrant, for every rank."""
     records = [r for r in run.records() if r.get("stage") == "enable"]
     out = assert_explained(run)
-    lines = [line for line in out.splitlines() if line.startswith("gcpatch: rank ") and "(" in line
-             and ", enable)" in line]
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("gcpatch: rank ")
+             and "(" in line and ", enable)" in line]
     assert len(lines) == len(records), f"{len(records)} records, {len(lines)} explain lines:\n{out}"
     for line, rec in zip(lines, records):
         assert f"use_reentrant: {winner(rec)}:" in line, f"{winner(rec)} not named in: {line}"

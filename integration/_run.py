@@ -6,6 +6,7 @@ GCPATCH=1 with GCPATCH_RECORD=<dir>. Nothing here imports gcpatch.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +21,9 @@ from harness import child_env, free_port, parse_results, torchrun_argv  # noqa: 
 from harness import run as harness_run  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+# A decision's short line on the console (gcpatch/headline.py)
+DECISION_LINE = re.compile(r"gcpatch: (checkpoint call at \S+|[\w.-]+( \([\w.-]+\))?): "
+                           r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|left as asked)")
 BLUNT = Path(__file__).resolve().parent / "blunt"  # sitecustomize.py: the force-non-reentrant patch
 TIMEOUT_S = 300
 
@@ -108,8 +112,9 @@ class Run:
     results: list = field(default_factory=list)
 
     def gcpatch_lines(self) -> list[str]:
-        """gcpatch's one-line decisions on stderr."""
-        return [line for line in self.stderr.splitlines() if line.startswith("gcpatch: rank ")]
+        """gcpatch's one-line decisions on stderr (gcpatch/headline.py: `gcpatch: <model>[ (<source>)]:
+        <what changed> (<rule>: <why>)`, or `gcpatch: checkpoint call at <file:line>: ...`)."""
+        return [line for line in self.stderr.splitlines() if DECISION_LINE.match(line)]
 
     def records(self) -> list[dict]:
         """Every JSONL record gcpatch wrote under GCPATCH_RECORD, in file order."""
@@ -126,8 +131,10 @@ class Run:
             out[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return out
 
-    def explain(self) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "gcpatch", "explain", str(self.record_dir)],
+    def explain(self, verbose: bool = True) -> subprocess.CompletedProcess:
+        """`gcpatch explain` (with -v by default: the detail lines name what was asked and applied)."""
+        return subprocess.run([sys.executable, "-m", "gcpatch", "explain", *(["-v"] if verbose else []),
+                               str(self.record_dir)],
                               cwd=self.record_dir.parent, env=child_env(), capture_output=True, text=True,
                               timeout=120)
 

@@ -9,7 +9,12 @@
 - LoRA (use_reentrant: true asked) and QLoRA (no kwargs): train with gcpatch, the rule's choice
   recorded (R1: non-reentrant) and in force at the first optimizer step.
 
-Six `axolotl train` processes in all (two of them refused at validation), shared by the tests.
+- QLoRA with `embeddings_skip_upcast: true`: Axolotl re-executes peft's `prepare_model_for_kbit_training`
+  source and rebinds the result over gcpatch's wrapper; gcpatch wraps the replacement again, says so
+  once, and the enable inside it is still decided as peft's.
+- The decision lines show on Axolotl's console although its logging set-up hides other libraries' INFO.
+
+Eight `axolotl train` processes in all (two of them refused at validation), shared by the tests.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ RUNS = {
     "unfrozen-nogc-reference": ("unfrozen_nogc.yml", False, {}),
     "lora-gcpatch": ("lora_reentrant.yml", True, {}),
     "qlora-gcpatch": ("qlora.yml", True, {}),
+    "skip-upcast-plain": ("qlora_skip_upcast.yml", False, {}),
+    "skip-upcast-gcpatch": ("qlora_skip_upcast.yml", True, {}),
 }
 LAYER1 = 9  # layer 1's tensors: q, k, v, o, gate, up, down, two norms
 
@@ -97,7 +104,7 @@ def test_gcpatch_records_the_config_decision_r1(ax_runs):
     assert enables and all(e["applied"]["use_reentrant"] is False for e in enables), enables
     assert all(e["decision"]["winners"]["use_reentrant"]["rule"] == "R1" for e in enables)
     # fix mode's warning, through Axolotl's logging set-up (which prints only warnings of other loggers)
-    assert "[gcpatch]" in output(run) and "R1 requires use_reentrant=False" in output(run), tail(run)
+    assert "[gcpatch]" in output(run) and "R1 overrules your use_reentrant=True" in output(run), tail(run)
     assert_explained(run, "R1", "use_reentrant=False", "(config, config)")
 
 
@@ -143,3 +150,32 @@ def test_doctor_lists_the_axolotl_plugin():
     plugin = [line for line in lines if line.strip().startswith("axolotl:")]
     assert plugin and "active axolotl 0.19" in plugin[0] and "(supports >=0.10,<1)" in plugin[0], proc.stdout
     assert any("axolotl.utils.config.validate_config: live" in line for line in lines), proc.stdout
+
+
+def test_decision_lines_show_on_axolotl_console(ax_runs):
+    """Axolotl's logging set-up (axolotl/logging_config.py) lets only WARNING and above of other
+    libraries' loggers through its console handler: gcpatch's own handler prints its INFO lines,
+    once each, short, without touching Axolotl's configuration."""
+    run = trained(ax_runs, "lora-gcpatch")
+    lines = [line for line in run.stderr.splitlines() if line.startswith("gcpatch: ")]
+    assert "gcpatch: tiny (config): use_reentrant True -> False (R1: partly frozen: layers would get no gradients)" \
+        in lines, tail(run)
+    assert all(len(line) <= 120 for line in lines) and len(lines) == len(set(lines)), lines
+    assert not any(line.startswith("gcpatch: ") for line in run.stdout.splitlines()), tail(run)  # not twice
+
+
+def test_embeddings_skip_upcast_replacement_is_wrapped_again(ax_runs):
+    plain = trained(ax_runs, "skip-upcast-plain")
+    run = trained(ax_runs, "skip-upcast-gcpatch")
+    # plainly, Axolotl's exec'd copy replaces peft's function; under gcpatch it runs inside gcpatch's wrapper
+    assert plain.result["kbit_prep"] == {"type": "function", "function": "fixed_prepare_model_for_kbit_training"}
+    assert run.result["kbit_prep"] == {"type": "_GcpatchWrapper", "function": "fixed_prepare_model_for_kbit_training"}
+    told = [line for line in output(run).splitlines() if "was rebound by another tool" in line]
+    assert len(told) == 1 and "fixed_prepare_model_for_kbit_training" in told[0], tail(run)  # said once
+    # the enable inside Axolotl's replacement is still decided as peft's kbit preparation (P1, R1)
+    enables = records(run, "enable")
+    inside = [e for e in enables if e["source"] == "peft.prepare_model_for_kbit_training"]
+    assert len(inside) == 1 and inside[0]["facts"]["kbit"] is True, [e["source"] for e in enables]
+    assert inside[0]["decision"]["winners"]["input_grads_hook"]["rule"] == "P1"
+    assert run.result["use_reentrant"] is False and run.result["grad_none"] == [], run.result
+    assert plain.result["use_reentrant"] is True  # Axolotl's own default (A2) without gcpatch

@@ -87,5 +87,5 @@ def test_r1_decision_is_logged_recorded_and_explained(script_runs, api, inp):
     assert rec["applied"]["use_cache_off"] == "use_cache True -> False"  # R6
     assert run.result["use_cache"] is False
     lines = run.gcpatch_lines()
-    assert len(lines) == 1 and "R1" in lines[0] and "use_reentrant=False" in lines[0], run.stderr
+    assert len(lines) == 1 and "use_reentrant True -> False (R1: " in lines[0] and len(lines[0]) <= 120, run.stderr
     assert_explained(run, "R1", "use_reentrant=False")

@@ -48,5 +48,5 @@ def test_trainer_enable_is_recorded_as_r1_with_trainer_source(script_runs):
     assert "R1" in rec["rules"] and rec["why"]["use_reentrant"].startswith("R1:")
     assert rec["decision"]["warnings"] == []  # nothing was asked, so nothing was overruled
     lines = run.gcpatch_lines()
-    assert len(lines) == 1 and "(trainer, enable)" in lines[0] and "R1" in lines[0], run.stderr
+    assert len(lines) == 1 and " (trainer): use_reentrant unset -> False (R1: " in lines[0], run.stderr
     assert_explained(run, "R1", "use_reentrant=False", "(trainer, enable)")

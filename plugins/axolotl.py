@@ -51,11 +51,12 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     rl = ":rl" in facts.trainer
     votes = []
     if not rl and facts.asked_use_reentrant is None:
-        votes.append(Vote(USE_REENTRANT, True, RECOMMENDED, "A2", "Axolotl's default for standard training"))
+        votes.append(Vote(USE_REENTRANT, True, RECOMMENDED, "A2", "Axolotl's default for standard training",
+                          short="Axolotl's default"))
     if rl and facts.kbit and facts.peft and facts.world_size > 1:
         votes.append(Vote(USE_REENTRANT, False, REQUIRED, "A4",
                           f"RL with QLoRA over {facts.world_size} processes: reentrant is broken upstream in TRL",
-                          avoids=CRASH))
+                          avoids=CRASH, short="RL + QLoRA over processes crashes"))
     return votes
 
 

@@ -36,7 +36,8 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
     if facts.stage == "enable" and facts.source.startswith("colossalai"):
-        return [Vote(USE_REENTRANT, False, RECOMMENDED, "C2", "ColossalAI recommends non-reentrant")]
+        return [Vote(USE_REENTRANT, False, RECOMMENDED, "C2", "ColossalAI recommends non-reentrant",
+                     short="ColossalAI's recommendation")]
     return []
 
 

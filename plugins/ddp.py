@@ -39,7 +39,8 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     if facts.stage == "enable" and facts.world_size > 1 and facts.find_unused_parameters:
         return [Vote(USE_REENTRANT, False, REQUIRED, "R4",
                      f"DDP over {facts.world_size} processes with find_unused_parameters=True: reentrant "
-                     "recompute marks parameters ready twice", avoids=CRASH)]
+                     "recompute marks parameters ready twice", avoids=CRASH,
+                     short=f"DDP find_unused_parameters on {facts.world_size} processes would crash")]
     return []
 
 

@@ -67,7 +67,8 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
         return []
     why = (f"ZeRO-3 with frozen parameters on DeepSpeed {version} (< {FIRST_FIXED}): "
            "non-reentrant recompute raises CheckpointError")
-    return [Vote(USE_REENTRANT, True, REQUIRED, "R3", why, avoids=CRASH),
+    return [Vote(USE_REENTRANT, True, REQUIRED, "R3", why, avoids=CRASH,
+                 short=f"ZeRO-3 + frozen params, DeepSpeed {version}: non-reentrant crashes"),
             Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R3", "reentrant kept for ZeRO-3: the first input must need grad",
                  avoids=CRASH)]
 

@@ -52,7 +52,7 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     if facts.stage == "enable" and facts.kbit:
         return [Vote(INPUT_GRADS_HOOK, True, REQUIRED, "P1",
                      "k-bit weights never require grad: under reentrant the first checkpointed input needs the hook",
-                     avoids=WRONG_GRADIENTS)]
+                     avoids=WRONG_GRADIENTS, short="k-bit weights never require grad")]
     return []
 
 

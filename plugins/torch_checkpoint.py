@@ -58,13 +58,16 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 def gcpatch_call_vote(facts: CallFacts) -> list[Vote]:
     if facts.nested:
         return [Vote(RUN_INLINE, True, REQUIRED, "CK2", "called inside another checkpoint, which already frees and "
-                     "recomputes it: checkpointing it again would run it a third time")]
+                     "recomputes it: checkpointing it again would run it a third time",
+                     short="already inside a checkpoint: one recompute, not two")]
     votes: list[Vote] = []
     if facts.reentrant and facts.context_fn:
         votes.append(Vote(USE_REENTRANT, False, REQUIRED, "CK3", "context_fn is taken by non-reentrant checkpointing "
-                          "only (reentrant raises ValueError)", avoids=CRASH))
+                          "only (reentrant raises ValueError)", avoids=CRASH,
+                          short="context_fn needs non-reentrant"))
     if facts.reentrant and facts.grad_enabled and not facts.inputs_require_grad and facts.trainable_inside is not False:
         inside = "trainable parameters inside" if facts.trainable_inside else "parameters inside cannot be known"
         votes.append(Vote(USE_REENTRANT, False, REQUIRED, "CK1", f"no tensor input requires grad and {inside}: "
-                          "reentrant would give them no gradient", avoids=WRONG_GRADIENTS))
+                          "reentrant would give them no gradient", avoids=WRONG_GRADIENTS,
+                          short="no input requires grad: parameters inside would get none"))
     return votes

@@ -19,7 +19,7 @@ import functools
 import sys
 from typing import Any
 
-from gcpatch import context
+from gcpatch import apply, context
 from gcpatch.hookspecs import hookimpl
 from gcpatch.pipeline import EnableCall, run_disable, run_enable
 from gcpatch.schema import (
@@ -47,7 +47,8 @@ RULES = (
          "deprecated alias); both reach _activation_checkpointing_enable, which gcpatch wraps",
          "transformers/modeling_utils.py (5.23.0: activation_checkpointing_enable, _is_overridden)", ">=5.0", documents=True),
     Rule("X2", "transformers installs its input-grads hook only for input_ids models or a loaded adapter; "
-         "inputs_embeds, vision and audio inputs are not covered",
+         "inputs_embeds, vision and audio inputs are not covered; 5.23 adds one more hook at every "
+         "enable_input_require_grads call (its own enable, peft's, TRL's): gcpatch leaves one per embedding",
          "transformers/modeling_utils.py (5.23.0: _activation_checkpointing_enable; 4.57.6: PEFT only)", documents=True),
     Rule("X3", "the Trainer re-enables checkpointing from TrainingArguments and would overwrite a "
          "model-level choice; gcpatch keeps the user's model-level ask unless TrainingArguments names one",
@@ -89,6 +90,10 @@ def gcpatch_patch_points() -> list[PatchPoint]:
                    _enable_v5, applies=v5, why="X1: the 5.x choke point of both enable names"),
         PatchPoint("transformers.modeling_utils", "PreTrainedModel._activation_checkpointing_disable",
                    functools.partial(_disable, "activation_checkpointing_disable"), applies=v5, why="undo gcpatch's hooks with the user's disable"),
+        PatchPoint("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads",
+                   _enable_input_require_grads, why="X2: one input-grads hook per embedding however often it is called"),
+        PatchPoint("transformers.modeling_utils", "PreTrainedModel.disable_input_require_grads",
+                   _disable_input_require_grads, why="X2: gcpatch's own hook back where a decision still needs one"),
         PatchPoint("transformers.trainer", "Trainer.train", _trainer_train,
                    why="X3: the Trainer's re-enable goes through the same decision"),
         PatchPoint("transformers.training_args", "TrainingArguments.__post_init__", _training_args_post_init,
@@ -101,7 +106,8 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     votes: list[Vote] = []
     if facts.stage == "config" and facts.partially_frozen and not _zero3_needs_reentrant(facts):
         votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", "the config freezes part of the model: reentrant "
-                          "would drop the gradients of layers whose inputs need none", avoids=WRONG_GRADIENTS))
+                          "would drop the gradients of layers whose inputs need none", avoids=WRONG_GRADIENTS,
+                          short="partly frozen: layers would get no gradients"))
     if facts.stage == "enable":
         starved = _stacks_without_input_grads(facts)
         if starved and not _zero3_needs_reentrant(facts):
@@ -110,24 +116,37 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                             "reentrant whatever it is asked (offloading checkpointers): gcpatch also puts the "
                             "input-grads hook (R2) in place; without it, those blocks' weights get no gradients "
                             "(by hand: enable_input_require_grads)")
-            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", starved, avoids=WRONG_GRADIENTS))
+            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", starved, avoids=WRONG_GRADIENTS,
+                              short=_starved_short(facts)))
         if facts.trainable_in_checkpointed_layers:
             votes.append(Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R2",
                               "checkpointed layers train: under reentrant their first input must require grad "
-                              "(frozen embeddings, inputs_embeds; X2)", avoids=WRONG_GRADIENTS))
+                              "(frozen embeddings, inputs_embeds; X2)", avoids=WRONG_GRADIENTS,
+                              short="checkpointed layers train"))
         cached = [where for where, value in facts.use_cache_configs.items() if value is not None]
         if facts.use_cache is not None or cached:
             votes.append(Vote(USE_CACHE_OFF, True, REQUIRED, "R6",
                               "the KV cache is useless under checkpointing and warns every step"
-                              + (f" (configs: {', '.join(cached)})" if len(cached) > 1 else "")))
+                              + (f" (configs: {', '.join(cached)})" if len(cached) > 1 else ""),
+                              short="no KV cache under checkpointing"))
     elif facts.stage == "first_forward" and facts.grad_enabled and facts.layers_in_eval_mode:
         votes.append(Vote(EVAL_MODE_FIX, True, REQUIRED, "R5",
                           f"{facts.layers_in_eval_mode} of {facts.checkpointed_layers} checkpointed layers are in "
                           "eval mode at the first training forward: checkpointing would silently do nothing",
-                          avoids=NO_MEMORY_SAVED,
+                          avoids=NO_MEMORY_SAVED, short="else no memory saved",
                           unmet="R5: checkpointing is off in eval mode and this model family's layers cannot be "
                                 "switched without changing their forward; call model.train() before training"))
     return votes
+
+
+def _starved_short(facts: Facts) -> str:
+    """R1's reason in a few words, for the one-line log."""
+    if any(s.get("encoder_states_by_keyword") for s in facts.stacks):
+        return "decoder takes the encoder's output by keyword"
+    blocks = sum(s["blocks"] for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"])
+    if not blocks:
+        return "partly frozen: layers would get no gradients"
+    return f"frozen upstream, {blocks} blocks would lose gradients"
 
 
 def _zero3_needs_reentrant(facts: Facts) -> bool:
@@ -245,6 +264,20 @@ def _disable(api: str, wrapped: Any, model: Any, args: tuple, kwargs: dict) -> A
     eval-mode fix, R6's use_cache) so the model is what it would be without gcpatch."""
     run_disable(model, api)
     return wrapped(*args, **kwargs)
+
+
+def _enable_input_require_grads(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+    """transformers 5.23 adds a hook on every call and keeps only the last handle, so a second
+    enable (the Trainer's, TRL's own call after it: trl#480) runs the hook twice or more; the
+    earlier ones, and gcpatch's own on the same embedding, go first: one hook per embedding."""
+    apply.dedupe_input_grads_hooks(model)
+    return wrapped(*args, **kwargs)
+
+
+def _disable_input_require_grads(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    apply.rehook_embeddings(model)
+    return result
 
 
 def _trainer_train(wrapped: Any, trainer: Any, args: tuple, kwargs: dict) -> Any:

@@ -44,12 +44,13 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
         return []
     votes = []
     if _major(facts.versions.get("transformers")) < 5:
-        votes.append(Vote(USE_REENTRANT, False, RECOMMENDED, "T1", "TRL's default below transformers 5"))
+        votes.append(Vote(USE_REENTRANT, False, RECOMMENDED, "T1", "TRL's default below transformers 5",
+                          short="TRL's default"))
     rl = facts.trainer.rsplit(".", 1)[-1] in _RL_TRAINERS
     if rl and facts.kbit and facts.peft and facts.world_size > 1:
         votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R4-RL",
                           f"{facts.trainer.rsplit('.', 1)[-1]} with QLoRA over {facts.world_size} processes: "
-                          "reentrant is broken upstream", avoids=CRASH))
+                          "reentrant is broken upstream", avoids=CRASH, short="RL + QLoRA over processes crashes"))
     return votes
 
 

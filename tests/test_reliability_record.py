@@ -130,7 +130,7 @@ def test_explain_skips_and_counts_damaged_lines_and_names_missing_fields(tmp_pat
     code = cli.main(["explain", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 0
-    assert out.count("-> applied use_reentrant=False") == 2  # both intact records explained
+    assert out.count("gcpatch: M: use_reentrant True -> False (R1: frozen)") == 2  # both intact records explained
     assert "incomplete record, missing asked, decision" in out
     assert "skipped 3 damaged line(s)" in err and "gcpatch-rank0.jsonl:3" in err and "gcpatch-rank1.jsonl:1" in err
     tally("explain", "truncated, missing keys, non-record JSON, non-UTF-8", True,

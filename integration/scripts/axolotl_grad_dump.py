@@ -19,6 +19,16 @@ from axolotl.integrations.base import BasePlugin
 import _common as c
 
 
+def kbit_prep() -> dict:
+    """What `peft.utils.other.prepare_model_for_kbit_training` is now: its type and the function
+    inside (Axolotl's embeddings_skip_upcast replaces it with `fixed_prepare_model_for_kbit_training`)."""
+    import sys
+
+    fn = getattr(sys.modules.get("peft.utils.other"), "prepare_model_for_kbit_training", None)
+    inner = getattr(fn, "__wrapped__", fn)
+    return {"type": type(fn).__name__, "function": getattr(inner, "__name__", repr(inner))}
+
+
 class GradDump(TrainerCallback):
     def __init__(self, path: str) -> None:
         self.path = path
@@ -48,6 +58,7 @@ class GradDump(TrainerCallback):
             "max_grad_norm": args.max_grad_norm,
             "model_class": type(model).__name__,
             "env_GCPATCH": os.environ.get("GCPATCH"),
+            "kbit_prep": kbit_prep(),
             **c.gcpatch_seen(),
         }
         with open(self.path, "w") as handle:

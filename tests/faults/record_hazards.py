@@ -20,7 +20,7 @@ class Lines(logging.Handler):
         self.lines = []
 
     def emit(self, record):
-        if record.levelno >= logging.WARNING and "R1 requires" not in record.getMessage():
+        if record.levelno >= logging.WARNING and "R1 overrules" not in record.getMessage():
             self.lines.append(record.getMessage())
 
 

@@ -1,0 +1,211 @@
+"""Who says gcpatch's decision lines, and that they show on the console under any launcher.
+
+Once per job: the process whose local rank is 0 (LOCAL_RANK, else RANK; a single process is
+rank 0) logs each distinct decision line at INFO, once per process; every other rank logs it at
+DEBUG. Ranks decide from rank-independent facts, so their lines match unless something failed on
+one rank. What "differs" means: global rank 0 publishes each decision line in the process group's
+key-value store (where one exists) under the decision's identity (model, entry point, stage,
+source and how often that identity was decided); every other rank compares its own line with rank
+0's when rank 0's is there, without waiting, at each of its decisions, and at the latest at DDP
+construction (gcpatch/agreement.py, where every rank waits for the others anyway). A rank whose
+line differs logs it at WARNING, naming rank 0's. Without a process group (before
+`init_process_group`, or a launcher that never creates one) nothing can be compared cheaply and
+the other ranks stay at DEBUG; the JSONL record keeps every rank's decisions either way.
+
+Visible: gcpatch's logger carries its own stderr handler. It prints a line only when no handler
+the line propagates to would show it on a console (a stream handler on stderr/stdout, or a rich
+console handler, whose level and filters let it through): the host's configuration decides where
+everything else goes and is never changed. Axolotl's CLI, whose logging set-up shows only warnings
+of other libraries' loggers, gets the lines from this handler; a script that calls
+`logging.basicConfig(level=INFO)` gets them once, from its own handler.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+log = logging.getLogger("gcpatch")
+_said: set[str] = set()  # lines this process already logged at INFO
+_seen: dict[str, int] = {}  # decision identity -> how often this process decided it
+_mine: list[tuple[str, str]] = []  # (store key, line) that rank 0 has not published yet
+_pending: list[tuple[str, str]] = []  # (store key, line) another rank has not compared yet
+_PREFIX = "gcpatch/lines/"
+
+
+def speaker() -> bool:
+    """Whether this process says the decision lines at INFO: local rank 0 (LOCAL_RANK, else RANK,
+    else the process group's rank where one exists, as with `mp.spawn`)."""
+    for name in ("LOCAL_RANK", "RANK"):
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value) == 0
+            except ValueError:
+                return True  # a bad value is reported by settings; better twice than never
+    return _group_rank() == 0
+
+
+def say(line: str, detail: str, identity: str, level: int = logging.INFO, quiet: bool = False,
+        gist: str = "") -> None:
+    """Log one decision: the short line once per job, the detail at DEBUG on every rank. `gist` is
+    what makes two lines the same news (a re-decision at a wrap that changed nothing is not)."""
+    _awake()
+    log.debug("%s", detail)
+    key = f"{_PREFIX}{identity}#{_seen.get(identity, 0)}"
+    _seen[identity] = _seen.get(identity, 0) + 1
+    if quiet:
+        log.debug("%s", line)
+        return
+    if _global_rank() == 0:
+        _mine.append((key, line))
+    else:
+        _pending.append((key, line))
+    if speaker() and (gist or line) not in _said:
+        _said.add(gist or line)
+        log.log(level, "%s", line)
+    else:
+        log.debug("%s", line)
+    exchange()
+
+
+def warn(text: str) -> None:
+    """A warning attached to a decision (a rule over the user's ask, a conflict): once per job too."""
+    _awake()
+    if speaker() and text not in _said:
+        _said.add(text)
+        log.warning("%s", text)
+    else:
+        log.debug("%s", text)
+
+
+def exchange(store: Any = None) -> None:
+    """Publish rank 0's lines, and compare this rank's with those rank 0 published; never waits.
+    agreement.py calls it once every rank has reached DDP's constructor."""
+    if not _mine and not _pending:
+        return
+    try:
+        store = store if store is not None else _store()
+        if store is None:
+            return
+        while _mine:
+            key, line = _mine.pop(0)
+            store.set(key, line)
+        for key, line in list(_pending):
+            if not store.check([key]):
+                continue
+            _pending.remove((key, line))
+            theirs = store.get(key).decode("utf-8", "replace")
+            if theirs != line:
+                log.warning("gcpatch: rank %d decided differently from rank 0: %s (rank 0: %s)",
+                            _global_rank(), line, theirs)
+    except Exception as exc:  # noqa: BLE001 (a comparison is never worth the host's job)
+        log.debug("gcpatch: could not compare decision lines with rank 0 (%s: %s)", type(exc).__name__, exc)
+        _mine.clear()
+        _pending.clear()
+
+
+def _awake() -> None:
+    # A host's dictConfig(disable_existing_loggers=True) after gcpatch started disables every
+    # logger it does not name, gcpatch's own included: GCPATCH_LOG=off is how gcpatch is silenced.
+    if log.disabled:
+        log.disabled = False
+
+
+def _global_rank() -> int:
+    try:
+        return int(os.environ["RANK"]) if "RANK" in os.environ else _group_rank()
+    except ValueError:
+        return 0
+
+
+def _group_rank() -> int:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception as exc:  # noqa: BLE001
+        log.debug("gcpatch: no process-group rank (%s: %s); counted as rank 0", type(exc).__name__, exc)
+    return 0
+
+
+def _store() -> Any:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    getter = getattr(getattr(dist, "distributed_c10d", None), "_get_default_store", None)
+    return getter() if getter is not None else None
+
+
+def forget() -> None:
+    """Start over (a re-activation, tests)."""
+    _said.clear()
+    _seen.clear()
+    _mine.clear()
+    _pending.clear()
+
+
+# Handlers that put a record on the console: a stream on stderr/stdout, or a rich console.
+def _shows(handler: logging.Handler, record: logging.LogRecord) -> bool:
+    if isinstance(handler, ConsoleHandler) or record.levelno < handler.level:
+        return False
+    if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+        if not _on_console(getattr(handler, "stream", None)):
+            return False
+    elif "rich" not in type(handler).__module__.lower():
+        return False
+    try:
+        return bool(handler.filter(record))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _on_console(stream: Any) -> bool:
+    """stdout or stderr, also behind a wrapper (colorama's, a tee that keeps the file descriptor)."""
+    if stream is None:
+        return False
+    if any(stream is std for std in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)):
+        return True
+    try:
+        return stream.fileno() in (1, 2)
+    except Exception:  # noqa: BLE001 (StringIO, a file-only writer: not the console)
+        return False
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """gcpatch's own stderr handler: prints a line unless the host's handlers show it already."""
+
+    def __init__(self) -> None:
+        super().__init__()  # stderr, looked up at each emit: pytest and launchers swap it
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger: logging.Logger | None = log
+        while logger is not None:
+            if any(_shows(h, record) for h in logger.handlers):
+                return  # the host shows it
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        super().emit(record)
+
+
+def install(level: str) -> None:
+    """gcpatch's logger at GCPATCH_LOG's level, with its console handler (once)."""
+    _awake()
+    if any(isinstance(h, ConsoleHandler) for h in log.handlers):
+        return
+    if level == "off":
+        log.setLevel(logging.CRITICAL + 1)
+        return
+    log.setLevel(getattr(logging, level.upper(), logging.INFO))
+    log.addHandler(ConsoleHandler())

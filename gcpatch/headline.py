@@ -1,0 +1,143 @@
+"""The one short line a decision gets on the console: what changed and the rule behind it,
+e.g. `gcpatch: LlamaForCausalLM: use_reentrant True -> False (R1: frozen upstream, 2 blocks
+would lose gradients)`. The asked value, the facts and every vote stay in the record
+(`gcpatch explain -v`) and in the DEBUG line (`detail`)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+LIMIT = 120  # characters of the first line: one terminal row
+# R6's use_cache=False comes with every enable: it is in the record and the DEBUG line, not here.
+_KNOB_WORDS = {"input_grads_hook": "input-grads hook", "run_inline": "runs inline"}
+
+
+def line(entry: dict[str, Any]) -> str:
+    """The short line for one record (a decision, a checkpoint call site or a failure)."""
+    if "failed_open" in entry:
+        return _fit(f"gcpatch: {entry.get('stage', '?')} failed open, the framework's own behaviour is kept "
+                    f"({entry['failed_open']})")
+    if entry.get("stage") == "call":
+        head = f"gcpatch: checkpoint call at {_site(entry.get('site', '?'))}: "
+    else:
+        # one word: "DDP(find_unused_parameters=True) (R4)" -> DDP, "wrapped by PeftModelForCausalLM" -> the wrapper
+        source = (str(entry.get("source") or "call").split("(", 1)[0].split() or ["call"])[-1]
+        model = str(entry.get("model", "?")).rstrip("/").rsplit("/", 1)[-1]  # a config names the model's path
+        head = f"gcpatch: {model}" + (f" ({source})" if source != "call" else "") + ": "
+    parts = _parts(entry)
+    if not parts:
+        return _fit(head + "left as asked")
+    # The first part keeps its reason; the rest name their rule only, and drop out if the line is full.
+    text = head + parts[0]
+    for index, part in enumerate(parts[1:], 1):
+        room = LIMIT - (len(" +9 more") if index < len(parts) - 1 else 0)
+        if len(text) + 2 + len(part) > room:
+            return _fit(text, LIMIT - len(" +9 more")) + f" +{len(parts) - index} more"
+        text += "; " + part
+    return _fit(text)
+
+
+def _parts(entry: dict[str, Any]) -> list[str]:
+    """The words for each knob that took effect, use_reentrant first."""
+    applied = entry.get("applied") or {}
+    winners = (entry.get("decision") or {}).get("winners") or {}
+    parts: list[str] = []
+    if "use_reentrant" in applied:
+        parts.append(_reentrant(entry, applied["use_reentrant"], winners.get("use_reentrant")))
+    for knob, value in applied.items():
+        vote = winners.get(knob) if isinstance(winners.get(knob), dict) else {}
+        rule = vote.get("rule", "?")
+        if knob == "eval_mode_fix":
+            parts.append(f"{value} eval-mode layers checkpoint anyway ({rule}: {_short(vote)})" if value else
+                         f"eval-mode layers cannot be switched, call model.train() ({rule})")
+        elif knob in _KNOB_WORDS and value:
+            parts.append(f"{_KNOB_WORDS[knob]} ({rule}: {_short(vote)})" if not parts else f"{_KNOB_WORDS[knob]} ({rule})")
+    return parts
+
+
+def _reentrant(entry: dict[str, Any], value: Any, vote: Any) -> str:
+    vote = vote if isinstance(vote, dict) else {}
+    asked = (entry.get("asked") or {}).get("use_reentrant")
+    rule = vote.get("rule", "?")
+    if rule == "USER":
+        kept = " (X3: earlier ask kept)" if "(X3)" in str((entry.get("asked") or {}).get("from")) else ""
+        return f"use_reentrant={value} as asked{kept}"
+    reason = f"{rule}: {_short(vote)}" if _short(vote) else rule
+    if asked == value:
+        return f"use_reentrant={value} as asked ({rule} agrees)"
+    was = "unset" if asked is None else str(asked)
+    return f"use_reentrant {was} -> {value} ({reason})"
+
+
+def _short(vote: dict[str, Any]) -> str:
+    """A vote's short reason, or the first clause of its reason where the plugin gave none."""
+    short = vote.get("short")
+    if isinstance(short, str) and short:
+        return short
+    reason = vote.get("reason")
+    if not isinstance(reason, str):
+        return ""
+    for mark in (": ", "; ", " ("):
+        reason = reason.split(mark, 1)[0]
+    return reason if len(reason) <= 60 else reason[:57].rstrip() + "..."
+
+
+def _site(site: str) -> str:
+    path, _, lineno = str(site).rpartition(":")
+    return f"{os.path.basename(path)}:{lineno}" if path else str(site)
+
+
+def _fit(text: str, limit: int = LIMIT) -> str:
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
+def warnings(entry: dict[str, Any]) -> list[str]:
+    """The decision's warnings, each in one short line: a rule over the user's ask (fix mode), the
+    user's ask over a rule (warn mode), required rules that disagree; the full texts stay in the
+    record and at DEBUG."""
+    decision = entry.get("decision") or {}
+    winners = decision.get("winners") or {}
+    who = entry.get("model") or _site(entry.get("site", "?"))
+    out: list[str] = []
+    overruled = False
+    for text in decision.get("warnings") or []:
+        if "; the user asked " in str(text):
+            overruled = True
+            continue
+        out.append(_fit(f"gcpatch: {who}: warning: {text}"))
+    if overruled:
+        for vote in decision.get("overruled") or []:
+            won = winners.get(vote.get("knob"))
+            if not isinstance(won, dict):
+                continue
+            if vote.get("strength") == "user" and won.get("strength") == "required":
+                out.append(_fit(f"gcpatch: {who}: {won.get('rule')} overrules your {vote.get('knob')}="
+                                f"{vote.get('value')} (GCPATCH_MODE=warn keeps it)"))
+            elif vote.get("strength") == "required" and won.get("strength") == "user":
+                out.append(_fit(f"gcpatch: {who}: warn mode keeps {won.get('knob')}={won.get('value')} over "
+                                f"{vote.get('rule')} ({_short(vote)})"))
+    for text in decision.get("conflicts") or []:
+        rules = sorted({v.get("rule", "?") for v in decision.get("overruled") or [] if v.get("strength") == "required"})
+        knob = str(text).split(":", 1)[0].rsplit(" ", 1)[-1]
+        won = winners.get(knob) if isinstance(winners.get(knob), dict) else {}
+        out.append(_fit(f"gcpatch: {who}: required rules disagree on {knob}; {won.get('rule', '?')} wins over "
+                        f"{', '.join(rules) or '?'} (gcpatch explain -v)"))
+    return out
+
+
+def detail(entry: dict[str, Any]) -> str:
+    """Everything about one decision on one line (DEBUG, and `gcpatch explain -v`): where, what was
+    asked, what was applied, which rule and its full reason."""
+    if "failed_open" in entry:
+        return (f"gcpatch: rank {entry.get('rank')} {entry.get('stage')}: failed open, original behaviour "
+                f"({entry['failed_open']})")
+    if entry.get("stage") == "call":
+        applied = ", ".join(f"{k}={v}" for k, v in entry["applied"].items()) or "left as called"
+        why = "; ".join(entry["why"].values())
+        return f"gcpatch: rank {entry['rank']} checkpoint call at {entry['site']}: {applied}" + (f" | {why}" if why else "")
+    asked = entry["asked"]
+    ask = "nothing" if asked["use_reentrant"] is None else f"use_reentrant={asked['use_reentrant']}"
+    applied = ", ".join(f"{k}={v}" for k, v in entry["applied"].items()) or "nothing"
+    why = "; ".join(f"{knob}: {reason}" for knob, reason in entry["why"].items())
+    head = f"gcpatch: rank {entry['rank']} {entry['model']}.{entry['api']} ({entry['source']}, {entry['stage']})"
+    return f"{head}: asked {ask} [{asked['from']}] -> applied {applied} | {why}"
