@@ -108,10 +108,11 @@ def disable(model: str, api: str, restored: dict[str, str], record_dir: str | No
     """Record the user's disable: what gcpatch gave back so the model is as it would be
     without gcpatch (its hooks are always removed; `restored` lists the configs R6 changed)."""
     given_back = "; ".join(f"{change} on {where}" for where, change in restored.items())
-    line = f"gcpatch: rank {rank()} {model}.{api}: checkpointing off, gcpatch's hooks removed" + (
-        f", {given_back}" if given_back else "")
+    line = f"gcpatch: {model}: {api} gave back " + (given_back or "nothing but its hooks")
     entry = event({"stage": Stage.DISABLE, "model": model, "api": api, "restored": restored, "line": line}, record_dir)
-    log.log(logging.INFO if restored else logging.DEBUG, "%s", line)
+    # said once per job like a decision; a disable that gave back only hooks is said at DEBUG
+    console.say(line, f"{line} (rank {rank()}; gcpatch's input-grads and first-forward hooks removed)",
+                f"{model}.{api}/disable", quiet=not restored)
     return entry
 
 
