@@ -306,12 +306,22 @@ def render(results: dict) -> str:
                 parts.append(f"skip: {_clean(r['detail'])}")
             else:
                 parts.append(f"**FAIL** ({r.get('n', '?')}/{r.get('of', '?')}): {_clean(r['detail'])}")
-        lines.append(head + "".join(f" {p} |" for p in parts) + f" {cell['wall_s']:.0f} s |")
+        lines.append(head + "".join(f" {p} |" for p in parts) + f" {_time(cell)} |")
     extra = results.get("_python")
     if extra:
         lines += ["", "## Other Pythons", "", "| python | torch | what ran | result |", "|---|---|---|---|"]
         lines += [f"| {p['python']} | {p['torch']} | {p['what']} | {_clean(p['result'])} |" for p in extra]
     return "\n".join(lines) + "\n"
+
+
+def _time(cell: dict) -> str:
+    """The cell's wall time: one figure per selection run on it (a cell's columns may come from
+    several runs, e.g. the core selection, then the extra columns), else the last run's."""
+    timing = cell.get("timing") or {}
+    if not timing:
+        return f"{cell['wall_s']:.0f} s"
+    return " + ".join(f"{s:.0f} s {label.replace(',', '/')}" 
+                      for label, s in sorted(timing.items(), key=lambda item: item[0] != "core"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             on_disk = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
             previous = on_disk.get(row["transformers"], {}).get("rules", {})
             cell["rules"] = {**previous, **cell["rules"]} if not cell.get("unsupported") else {}
+            cell["timing"] = {**on_disk.get(row["transformers"], {}).get("timing", {}), args.tests: cell["wall_s"]}
             results = save(row["transformers"], cell)
             states = {k: v["state"] for k, v in cell["rules"].items()}
             print(f"transformers {row['transformers']}: {cell.get('unsupported') or states} ({cell['wall_s']} s)",
