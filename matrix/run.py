@@ -320,7 +320,7 @@ def _time(cell: dict) -> str:
     timing = cell.get("timing") or {}
     if not timing:
         return f"{cell['wall_s']:.0f} s"
-    return " + ".join(f"{s:.0f} s {label.replace(',', '/')}" 
+    return " + ".join(f"{s:.0f} s {label.replace(',', '/')}"
                       for label, s in sorted(timing.items(), key=lambda item: item[0] != "core"))
 
 
