@@ -278,9 +278,8 @@ def render(results: dict) -> str:
         "that does not apply on a release is skipped with a reason derived from its version. `not run`: no",
         "result recorded for that cell yet (the command runs it).",
         "",
-        "| column | what it proves | tests |",
-        "|---|---|---|",
     ]
+    lines += [_summary(rows, results), "", "| column | what it proves | tests |", "|---|---|---|"]
     lines += [f"| {n} | {what} | {', '.join(f'`{f}`' for f in files)} |" for n, what, files in RULES]
     names = [n for n, _, _ in RULES]
     lines += ["", "| transformers | peft | trl | python | " + " | ".join(names) + " | time |",
@@ -312,6 +311,26 @@ def render(results: dict) -> str:
         lines += ["", "## Other Pythons", "", "| python | torch | what ran | result |", "|---|---|---|---|"]
         lines += [f"| {p['python']} | {p['torch']} | {p['what']} | {_clean(p['result'])} |" for p in extra]
     return "\n".join(lines) + "\n"
+
+
+def _summary(rows: list[dict[str, str]], results: dict) -> str:
+    """One line: how many releases have results, and the table's cells by state."""
+    names = [n for n, _, _ in RULES]
+    counts = {"pass": 0, "skip": 0, "fail": 0, "not run": 0}
+    ran = unsupported = 0
+    for row in rows:
+        cell = results.get(row["transformers"])
+        if cell is None:
+            counts["not run"] += len(names)
+            continue
+        ran += 1
+        if cell.get("unsupported"):
+            unsupported += 1
+            continue
+        for n in names:
+            counts[cell["rules"].get(n, {}).get("state", "not run")] += 1
+    return (f"**{ran} of {len(rows)} releases run** ({unsupported} unsupported); release x rule cells: "
+            + ", ".join(f"{v} {k}" for k, v in counts.items()) + ".")
 
 
 def _time(cell: dict) -> str:
