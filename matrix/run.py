@@ -4,6 +4,8 @@ table matrix/RESULTS.md (release x rule -> pass / skip with reason / fail / not 
 
     python matrix/run.py                      # every cell, the core selection
     python matrix/run.py --cells 4.43.4,5.17.0 --tests full
+    python matrix/run.py --cells missing      # resume: the cells without a result for the selected columns
+    python matrix/run.py --cells missing --tests "P1 QLoRA,T1 TRL,R4 DDP"   # the extra columns where not run
     python matrix/run.py --cells none --pythons 3.9,3.10,3.12,3.13   # the framework-free suite there
     python matrix/run.py --render             # only re-render RESULTS.md from results.json
 
@@ -346,7 +348,8 @@ def _time(cell: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", default="all",
-                        help="'all', 'ci' (oldest, 4.57.6, newest), 'none', or versions, comma-separated")
+                        help="'all', 'ci' (oldest, 4.57.6, newest), 'missing' (those without a result for every "
+                        "selected column), 'none', or versions, comma-separated")
     parser.add_argument("--tests", default="core", help="'core', 'full' or column names, comma-separated")
     parser.add_argument("--pythons", default="", help="other Pythons for the framework-free suite, e.g. 3.9,3.10,3.12,3.13 "
                         "(with --cells all: these four unless given)")
@@ -357,16 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render:
         rows = releases()
         supported = [r for r in rows if r["status"] != "unsupported"]
+        columns = {"core": CORE, "full": [n for n, _, _ in RULES]}.get(args.tests) or args.tests.split(",")
         if args.cells == "none":
             chosen = []
         elif args.cells == "all":
             chosen = rows
+        elif args.cells == "missing":
+            chosen = [r for r in rows if not results.get(r["transformers"], {}).get("unsupported")
+                      and not set(columns) <= set(results.get(r["transformers"], {}).get("rules", {}))]
         elif args.cells == "ci":
             chosen = [supported[0], next(r for r in rows if r["transformers"] == "4.57.6"), rows[-1]]
         else:
             by_version = {r["transformers"]: r for r in rows}
             chosen = [by_version[v] for v in args.cells.split(",")]  # in the order given
-        columns = {"core": CORE, "full": [n for n, _, _ in RULES]}.get(args.tests) or args.tests.split(",")
         logs = envs_dir() / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         base = base_env(logs / "base.log")
