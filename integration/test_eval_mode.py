@@ -17,9 +17,11 @@ SCRIPT = "eval_mode_gpt2.py"
 GENERATE = "eval_mode_generate.py"
 RUNS = [Spec(SCRIPT), Spec(GENERATE)]
 LAYERS = 4
-# Which modules hold the checkpoint flag R5 sets: each layer from 4.52 on (GradientCheckpointingLayer),
-# the loop owner (GPT2Model, "transformer") before.
-LEGACY = TRANSFORMERS < Version("4.52")
+# Which modules hold the checkpoint flag R5 sets: each layer once GPT2Block is a
+# GradientCheckpointingLayer, the loop owner (GPT2Model, "transformer") before. transformers 4.52
+# introduced that base class (Llama and others), GPT2Block got it in 4.53.0
+# (transformers/models/gpt2/modeling_gpt2.py: `class GPT2Block(nn.Module)` in 4.52.4).
+LEGACY = TRANSFORMERS < Version("4.53")
 FLAGGED = ["transformer"] if LEGACY else [f"transformer.h.{i}" for i in range(LAYERS)]
 FIXED = len(FLAGGED)
 

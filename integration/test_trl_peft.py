@@ -20,14 +20,25 @@ pytest.importorskip("datasets")
 
 from _asserts import (assert_explain_lists_every_decision, assert_installed_gcpatch_ran, assert_plain,  # noqa: E402
                       enable_records, final_enable_record, winner)
-from _run import V5, Spec, outside_plugin_range  # noqa: E402
+from importlib import metadata  # noqa: E402
+
+from _run import TRANSFORMERS, V5, Spec, outside_plugin_range  # noqa: E402
+from packaging.version import Version  # noqa: E402
 
 OUT_OF_RANGE = outside_plugin_range("peft") or outside_plugin_range("trl")
 pytestmark = pytest.mark.skipif(bool(OUT_OF_RANGE), reason=OUT_OF_RANGE)
 
+# transformers 4.47 calls `self.log(logs, start_time)` in the training loop (trainer.py); TRL's
+# DPOTrainer.log(logs) takes start_time only from trl 0.13.0 (trl/trainer/dpo_trainer.py), so DPO
+# with trl 0.12 on transformers >= 4.47 raises TypeError at its first log, with or without gcpatch.
+TRL = Version(metadata.version("trl"))
+DPO_BROKEN = f"trl {TRL}'s DPOTrainer.log() takes no start_time, which transformers {TRANSFORMERS} passes " \
+    "(added to DPOTrainer in trl 0.13.0)" if TRANSFORMERS >= Version("4.47") and TRL < Version("0.13") else ""
+
 SCRIPT = "trl_peft.py"
-RUNS = [Spec(SCRIPT, ("--trainer", t)) for t in ("sft", "dpo")]
-TRAINERS = [pytest.param("sft", id="SFTTrainer"), pytest.param("dpo", id="DPOTrainer")]
+RUNS = [Spec(SCRIPT, ("--trainer", t)) for t in ("sft", "dpo") if not (t == "dpo" and DPO_BROKEN)]
+TRAINERS = [pytest.param("sft", id="SFTTrainer"),
+            pytest.param("dpo", id="DPOTrainer", marks=pytest.mark.skipif(bool(DPO_BROKEN), reason=DPO_BROKEN))]
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)

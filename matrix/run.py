@@ -4,6 +4,8 @@ table matrix/RESULTS.md (release x rule -> pass / skip with reason / fail / not 
 
     python matrix/run.py                      # every cell, the core selection
     python matrix/run.py --cells 4.43.4,5.17.0 --tests full
+    python matrix/run.py --cells missing      # resume: the cells without a result for the selected columns
+    python matrix/run.py --cells missing --tests "P1 QLoRA,T1 TRL,R4 DDP"   # the extra columns where not run
     python matrix/run.py --cells none --pythons 3.9,3.10,3.12,3.13   # the framework-free suite there
     python matrix/run.py --render             # only re-render RESULTS.md from results.json
 
@@ -278,9 +280,8 @@ def render(results: dict) -> str:
         "that does not apply on a release is skipped with a reason derived from its version. `not run`: no",
         "result recorded for that cell yet (the command runs it).",
         "",
-        "| column | what it proves | tests |",
-        "|---|---|---|",
     ]
+    lines += [_summary(rows, results), "", "| column | what it proves | tests |", "|---|---|---|"]
     lines += [f"| {n} | {what} | {', '.join(f'`{f}`' for f in files)} |" for n, what, files in RULES]
     names = [n for n, _, _ in RULES]
     lines += ["", "| transformers | peft | trl | python | " + " | ".join(names) + " | time |",
@@ -306,7 +307,7 @@ def render(results: dict) -> str:
                 parts.append(f"skip: {_clean(r['detail'])}")
             else:
                 parts.append(f"**FAIL** ({r.get('n', '?')}/{r.get('of', '?')}): {_clean(r['detail'])}")
-        lines.append(head + "".join(f" {p} |" for p in parts) + f" {cell['wall_s']:.0f} s |")
+        lines.append(head + "".join(f" {p} |" for p in parts) + f" {_time(cell)} |")
     extra = results.get("_python")
     if extra:
         lines += ["", "## Other Pythons", "", "| python | torch | what ran | result |", "|---|---|---|---|"]
@@ -314,10 +315,41 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _summary(rows: list[dict[str, str]], results: dict) -> str:
+    """One line: how many releases have results, and the table's cells by state."""
+    names = [n for n, _, _ in RULES]
+    counts = {"pass": 0, "skip": 0, "fail": 0, "not run": 0}
+    ran = unsupported = 0
+    for row in rows:
+        cell = results.get(row["transformers"])
+        if cell is None:
+            counts["not run"] += len(names)
+            continue
+        ran += 1
+        if cell.get("unsupported"):
+            unsupported += 1
+            continue
+        for n in names:
+            counts[cell["rules"].get(n, {}).get("state", "not run")] += 1
+    return (f"**{ran} of {len(rows)} releases run** ({unsupported} unsupported); release x rule cells: "
+            + ", ".join(f"{v} {k}" for k, v in counts.items()) + ".")
+
+
+def _time(cell: dict) -> str:
+    """The cell's wall time: one figure per selection run on it (a cell's columns may come from
+    several runs, e.g. the core selection, then the extra columns), else the last run's."""
+    timing = cell.get("timing") or {}
+    if not timing:
+        return f"{cell['wall_s']:.0f} s"
+    return " + ".join(f"{s:.0f} s {label.replace(',', '/')}"
+                      for label, s in sorted(timing.items(), key=lambda item: item[0] != "core"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", default="all",
-                        help="'all', 'ci' (oldest, 4.57.6, newest), 'none', or versions, comma-separated")
+                        help="'all', 'ci' (oldest, 4.57.6, newest), 'missing' (those without a result for every "
+                        "selected column), 'none', or versions, comma-separated")
     parser.add_argument("--tests", default="core", help="'core', 'full' or column names, comma-separated")
     parser.add_argument("--pythons", default="", help="other Pythons for the framework-free suite, e.g. 3.9,3.10,3.12,3.13 "
                         "(with --cells all: these four unless given)")
@@ -328,16 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render:
         rows = releases()
         supported = [r for r in rows if r["status"] != "unsupported"]
+        columns = {"core": CORE, "full": [n for n, _, _ in RULES]}.get(args.tests) or args.tests.split(",")
         if args.cells == "none":
             chosen = []
         elif args.cells == "all":
             chosen = rows
+        elif args.cells == "missing":
+            chosen = [r for r in rows if not results.get(r["transformers"], {}).get("unsupported")
+                      and not set(columns) <= set(results.get(r["transformers"], {}).get("rules", {}))]
         elif args.cells == "ci":
             chosen = [supported[0], next(r for r in rows if r["transformers"] == "4.57.6"), rows[-1]]
         else:
             by_version = {r["transformers"]: r for r in rows}
             chosen = [by_version[v] for v in args.cells.split(",")]  # in the order given
-        columns = {"core": CORE, "full": [n for n, _, _ in RULES]}.get(args.tests) or args.tests.split(",")
         logs = envs_dir() / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         base = base_env(logs / "base.log")
@@ -347,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             on_disk = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
             previous = on_disk.get(row["transformers"], {}).get("rules", {})
             cell["rules"] = {**previous, **cell["rules"]} if not cell.get("unsupported") else {}
+            cell["timing"] = {**on_disk.get(row["transformers"], {}).get("timing", {}), args.tests: cell["wall_s"]}
             results = save(row["transformers"], cell)
             states = {k: v["state"] for k, v in cell["rules"].items()}
             print(f"transformers {row['transformers']}: {cell.get('unsupported') or states} ({cell['wall_s']} s)",
