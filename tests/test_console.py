@@ -104,8 +104,10 @@ def test_another_rank_warns_when_its_line_differs_from_rank_zeros():
     warned = lines(proc.stderr, "decided differently")
     assert warned == ["gcpatch: rank 1 decided differently from rank 0: gcpatch: M: use_reentrant=True as asked "
                       "(rank 0: gcpatch: M: input-grads hook (R2: y))"], proc.stderr
-    assert lines(proc.stderr) == ["gcpatch: M: use_reentrant True -> False (R1: x)",
-                                  "gcpatch: M: input-grads hook (R2: y)"] + warned, proc.stderr
+    # (a release outside a plugin's range adds its one "plugin ... skipped" line: not a decision)
+    said = [line for line in lines(proc.stderr) if not line.startswith("gcpatch: plugin ")]
+    assert said == ["gcpatch: M: use_reentrant True -> False (R1: x)",
+                    "gcpatch: M: input-grads hook (R2: y)"] + warned, proc.stderr
 
 
 def _entry(**changes):
