@@ -61,6 +61,20 @@ def trained_lora_b(model, seed: int = 7) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
+def zero3_config() -> dict:
+    """DeepSpeed ZeRO-3 on CPU for the tiny models: every parameter partitioned (persistence
+    threshold 0), the model's own optimizer kept."""
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1000,
+        "wall_clock_breakdown": False,
+    }
+
+
 def input_ids(batch: int = 2, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, SEQ_LEN), generator=gen)

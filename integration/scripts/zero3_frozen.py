@@ -29,18 +29,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def ds_config():
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "zero_force_ds_cpu_optimizer": False,
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 1000,
-        "wall_clock_breakdown": False,
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reentrant", choices=("false", "unset", "true", "nogc"), default="false")
@@ -55,7 +43,7 @@ def main() -> None:
     from transformers.integrations import HfDeepSpeedConfig
 
     deepspeed.init_distributed(dist_backend="gloo")
-    config = ds_config()
+    config = c.zero3_config()
     dschf = HfDeepSpeedConfig(config)  # noqa: F841  (must stay alive: makes from_config use zero.Init)
 
     torch.manual_seed(0)
