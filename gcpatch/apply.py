@@ -81,7 +81,7 @@ def apply(model: Any, decision: Decision, on_first_forward: Callable[[Any], None
         applied["checkpointed_stacks"] = {
             name: f"{sum(1 for m in layers if getattr(m, 'gradient_checkpointing', False))} of {len(layers)} "
                   f"{type(layers[0]).__name__}" for name, _, layers in stacks}
-        _arm_first_forward(model, state, on_first_forward, stacks)
+        _arm_first_forward(model, state, on_first_forward)
     return applied
 
 
@@ -175,13 +175,13 @@ def fix_eval_mode(model: Any) -> int:
     return fixed
 
 
-def _runners(model: Any, stacks: list[tuple[str, Any, list[Any]]] | None = None) -> list[Any]:
+def _runners(model: Any) -> list[Any]:
     """The modules whose forward runs the loop over the checkpointed blocks (one per stack). R5's
     hooks sit there, not on the model: PEFT tuners (`self.model.forward(...)` in peft <= 0.13),
     ColossalAI's boosted wrappers and a user calling `model.forward` bypass the model's own
     hooks, but every path into the blocks goes through the loop that calls them."""
     runners: list[Any] = []
-    for _, owner, _ in (checkpoint_stacks(model) if stacks is None else stacks):
+    for _, owner, _ in checkpoint_stacks(model):  # walked once per decision (facts.one_walk)
         if all(owner is not r for r in runners):
             runners.append(owner)
     return runners or [model]
@@ -265,8 +265,7 @@ def _user_mode(layer: Any) -> bool:
     return bool(child.training) if child is not None else False
 
 
-def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], None],
-                       stacks: list[tuple[str, Any, list[Any]]]) -> None:
+def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], None]) -> None:
     """One-shot pre-hooks on the modules that run the checkpointed blocks (`_runners`): R5 is
     decided at the first forward that builds a graph, whichever path reaches the blocks, then the
     hooks are gone (no per-step cost after the first step)."""
@@ -282,7 +281,7 @@ def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], 
         if target is not None:
             callback(target)
 
-    for runner in _runners(model, stacks):
+    for runner in _runners(model):
         state.first_forward.append(runner.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
 

@@ -65,7 +65,7 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
 
 def run_disable(model: Any, api: str) -> dict[str, str]:
     """The user switched checkpointing off: take back what gcpatch added for the enable, and
-    re-decide nothing later. Recorded when gcpatch had changed anything. Returns the configs
+    re-decide nothing later. Recorded for every model gcpatch decided for. Returns the configs
     whose `use_cache` was given back (R6)."""
     known = context.known(model)
     if known is None:
