@@ -59,7 +59,7 @@ def agree(root: Any, group: Any = None, error: BaseException | None = None,
         _reraise(error)
         return
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-    store = _store(dist)
+    store = default_store(dist)
     if len(ranks) < 2 or store is None:
         _reraise(error)
         return
@@ -128,7 +128,8 @@ def _last_failure() -> str:
     return ""
 
 
-def _store(dist: Any) -> Any:
+def default_store(dist: Any) -> Any:
+    """The process group's key-value store, or None (logged) where there is none."""
     getter = getattr(getattr(dist, "distributed_c10d", None), "_get_default_store", None)
     try:
         return getter() if getter is not None else None

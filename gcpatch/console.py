@@ -116,7 +116,7 @@ def _awake() -> None:
 def _global_rank() -> int:
     try:
         return int(os.environ["RANK"]) if "RANK" in os.environ else _group_rank()
-    except ValueError:
+    except ValueError:  # settings reports a bad RANK once
         return 0
 
 
@@ -134,8 +134,9 @@ def _store() -> Any:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
-    getter = getattr(getattr(dist, "distributed_c10d", None), "_get_default_store", None)
-    return getter() if getter is not None else None
+    from gcpatch.agreement import default_store  # imported late: agreement records through this module
+
+    return default_store(dist)
 
 
 def forget() -> None:
@@ -157,7 +158,7 @@ def _shows(handler: logging.Handler, record: logging.LogRecord) -> bool:
         return False
     try:
         return bool(handler.filter(record))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 (inside emit: a log line here would recurse; a failing filter shows nothing)
         return False
 
 
