@@ -1,6 +1,8 @@
 """Resolving votes into one decision.
 
-Per knob the strongest vote wins: required > user > recommended > default. A required vote
+Per knob the strongest vote wins: required > user > recommended > default. A recommendation the
+user's explicit ask overrules is only recorded, unless it names a cost the ask pays (`kept_cost`):
+then the user is told (a performance cost is no reason to change a correct choice). A required vote
 against the user's explicit choice wins in fix mode (with a warning), loses in warn mode
 (with a warning) and raises in strict mode. Required votes that disagree are settled by the
 failure each avoids, and both reasons are recorded.
@@ -87,7 +89,12 @@ def _resolve_knob(votes: list[Vote], mode: str, decision: Decision) -> Vote | No
     chosen = _settle_required(required, mode, decision) if required else None
     if chosen is None:
         top = max(STRENGTH_ORDER[v.strength] for v in votes)
-        return _tie_break([v for v in votes if STRENGTH_ORDER[v.strength] == top])
+        winner = _tie_break([v for v in votes if STRENGTH_ORDER[v.strength] == top])
+        if winner.strength == USER:
+            decision.warnings.extend(
+                f"{v.rule}: your {v.knob}={winner.value} is kept (it is correct); {v.kept_cost}"
+                for v in votes if v.kept_cost and v.value != winner.value)
+        return winner
     if chosen.knob in _STATE_KNOBS and mode == "warn":
         decision.warnings.append(f"{chosen.rule}: {chosen.reason} (warn mode: left as it is)")
         return None

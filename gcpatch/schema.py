@@ -220,6 +220,7 @@ class Vote:
     plugin: str = ""
     avoids: str = ""  # for required votes: the failure it prevents
     unmet: str = ""  # what the user is told when it wins but cannot be applied to this model
+    kept_cost: str = ""  # a recommendation's cost, told when the user's explicit ask overrules it
     short: str = ""  # the reason in a few words, for the one-line log (the record keeps `reason`)
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,9 +7,10 @@ enabled before `accelerator.prepare` as the Trainer does (integration/scripts/fs
   full gradient equals the no-checkpointing, unsharded run's.
 - FSDP's own activation checkpointing (accelerate's `activation_checkpointing`, checkpoint_wrapper)
   on top is a fact in the record and the gradients stay exact.
-- The reentrant extra all-gather of FSDP1 FULL_SHARD (transformers#30404) is not there under FSDP2
-  on torch 2.13: an all-trainable model does the same all-gathers in backward with either variant,
-  which is why F1 changes no `use_reentrant` for FSDP (plugins/fsdp.py).
+- With the checkpoint inside the FSDP unit (GradientCheckpointingLayer, this file's 5.x stack) and
+  no forward prefetch (accelerate's FSDP2), reentrant costs no extra all-gather: an all-trainable
+  model does the same all-gathers in backward with either variant. Where it does cost one, F2
+  decides (integration/test_fsdp_all_gather.py).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_partially_frozen_under_accelerate_fsdp_gets_exact_gradients(script_runs
                        for rec in records), [rec["facts"]["fsdp_checkpointing"] for rec in records]
 
 
-def test_fsdp2_reentrant_costs_no_extra_all_gather_on_this_torch(script_runs):
+def test_fsdp2_reentrant_inside_the_unit_costs_no_extra_all_gather(script_runs):
     reentrant = _get(script_runs, ALL_TRUE, False).results
     non_reentrant = _get(script_runs, ALL_FALSE, False).results
     for a, b in zip(reentrant, non_reentrant):

@@ -5,10 +5,14 @@ checkpoints blocks that transformers may checkpoint too. Both are facts of the d
 (gcpatch/facts.py `fsdp_facts`), taken again when FSDP wraps the model or adds its wrappers, as
 DDP's wrap is (R4): the record says what FSDP did, and the rules decide with the wrapped model.
 
-No rule here changes `use_reentrant` for FSDP. The extra all-gather of reentrant recompute under
-FSDP1 FULL_SHARD (transformers#30404, pytorch#105635, verl#114) does not occur under FSDP2 on torch
-2.13: integration/test_fsdp_frozen.py counts the same backward all-gathers with either variant, and
-FSDP1 needs an accelerator to run at all, so a rule for it could not be proven here (F1's text).
+Where the checkpoint call wraps an FSDP unit from outside (model families before transformers'
+GradientCheckpointingLayer: `self._gradient_checkpointing_func(decoder_layer.__call__, ...)` on the
+wrapped layer), reentrant recompute runs the unit's forward again inside backward: FSDP1 all-gathers
+the unit's parameters a second time (transformers#30404, pytorch#105635), FSDP2 runs its forward
+prefetch again. Non-reentrant recompute does not (F2; integration/test_fsdp_all_gather.py counts
+them). It is a cost, not a failure: F2 recommends non-reentrant, and an explicit reentrant ask is
+kept and told the cost. With the checkpoint inside the unit (GradientCheckpointingLayer) both
+variants all-gather as often as no checkpointing, and F2 does not vote.
 """
 from __future__ import annotations
 
@@ -16,15 +20,19 @@ from typing import Any
 
 from gcpatch.hookspecs import hookimpl
 from gcpatch.pipeline import redecide_within
-from gcpatch.schema import PatchPoint, PluginInfo, Rule
+from gcpatch.schema import RECOMMENDED, USE_REENTRANT, Facts, PatchPoint, PluginInfo, Rule, Vote
 
 RULES = (
     Rule("F1", "FSDP wrapping (FSDP1, FSDP2 fully_shard, accelerate's FSDP plugin) and FSDP's own activation "
          "checkpointing are facts of the decision, decided again when FSDP wraps the model or adds its checkpoint "
-         "wrappers; use_reentrant is not changed for FSDP: the reentrant extra all-gather of FSDP1 FULL_SHARD "
-         "(transformers#30404) is not seen under FSDP2 on torch 2.13 (same backward all-gathers measured)",
+         "wrappers",
          "torch/distributed/fsdp/_fully_shard/_fully_shard.py, torch/distributed/algorithms/_checkpoint/"
-         "checkpoint_wrapper.py, transformers#30404, pytorch#105635", documents=True),
+         "checkpoint_wrapper.py", documents=True),
+    Rule("F2", "FSDP (FSDP1, or FSDP2 with forward prefetch) + a checkpoint call outside the FSDP unit (layers "
+         "without GradientCheckpointingLayer) -> non-reentrant recommended: reentrant recompute all-gathers each "
+         "unit again in backward; an explicit reentrant ask is kept and told the cost",
+         "transformers#30404, pytorch#105635; torch/distributed/fsdp/_flat_param.py "
+         "(FlatParamHandle._all_gather_flat_param); transformers/modeling_layers.py (4.52+)"),
 )
 
 INFO = PluginInfo(name="fsdp", framework="torch", versions=">=2.6,<3", rules=RULES, proven="==2.13.*")
@@ -46,6 +54,29 @@ def gcpatch_patch_points() -> list[PatchPoint]:
                    _apply_activation_checkpointing, copies=True,
                    why="F1: FSDP's own activation checkpointing is a fact of the decision"),
     ]
+
+
+# What reentrant recompute outside the unit costs under each FSDP: in the record, told to a kept ask,
+# in the one-line log.
+_COSTS = {
+    "fsdp1": ("reentrant recompute makes FSDP1 all-gather every checkpointed unit's parameters a second time in "
+              "backward", "each FSDP1 unit is all-gathered twice in backward", "reentrant gathers FSDP1 units twice"),
+    "fsdp2": ("reentrant recompute runs FSDP2's forward prefetch again in backward (an extra all-gather per unit "
+              "where set_modules_to_forward_prefetch is set)", "FSDP2's forward prefetch runs again in backward",
+              "reentrant re-runs FSDP2 prefetch"),
+}
+
+
+@hookimpl
+def gcpatch_vote(facts: Facts) -> list[Vote]:
+    kinds = facts.fsdp.split(", ") if facts.fsdp else []
+    if facts.stage != "enable" or not kinds or not facts.checkpointed_layers or facts.checkpoint_layer_api:
+        return []
+    cost, kept, short = _COSTS["fsdp1" if any(kind.endswith("fsdp1") for kind in kinds) else "fsdp2"]
+    return [Vote(USE_REENTRANT, False, RECOMMENDED, "F2",
+                 f"the checkpoint call wraps each FSDP unit from outside ({facts.model_class}'s layers predate "
+                 f"GradientCheckpointingLayer): {cost} (transformers#30404)",
+                 short=short, kept_cost=f"{kept}; use_reentrant=False avoids it (transformers#30404)")]
 
 
 def _fully_shard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -27,7 +27,7 @@ from gcpatch.schema import (
     Vote,
 )
 
-PLUGINS = ("transformers", "peft", "trl", "deepspeed", "ddp", "axolotl", "colossalai", "torch_checkpoint")
+PLUGINS = ("transformers", "peft", "trl", "deepspeed", "ddp", "axolotl", "colossalai", "torch_checkpoint", "fsdp")
 
 
 def plugin(name: str):
@@ -137,6 +137,20 @@ def test_checkpoint_call_rules():
     assert [(v.rule, v.knob) for v in vote(call_facts(nested=True))] == [("CK2", RUN_INLINE)]
 
 
+def test_f2_recommends_non_reentrant_where_the_checkpoint_call_wraps_an_fsdp_unit():
+    fsdp = plugin("fsdp").gcpatch_vote
+    old_layout = dict(checkpoint_layer_api=False, checkpointed_layers=2)
+    for kind in ("fsdp1", "accelerate:fsdp1", "fsdp2"):
+        votes = fsdp(facts(fsdp=kind, **old_layout))
+        assert rules_voted(votes) == [("F2", False, RECOMMENDED)], kind
+        assert votes[0].kept_cost and "transformers#30404" in votes[0].kept_cost
+    assert "FSDP1" in fsdp(facts(fsdp="fsdp1", **old_layout))[0].reason and "FSDP2" in fsdp(facts(fsdp="fsdp2", **old_layout))[0].reason
+    assert fsdp(facts(fsdp="fsdp1", checkpoint_layer_api=True)) == []  # the checkpoint runs inside the unit
+    assert fsdp(facts(fsdp="", **old_layout)) == []
+    assert fsdp(facts(fsdp="fsdp1", checkpoint_layer_api=False, checkpointed_layers=0)) == []
+    assert fsdp(facts(fsdp="fsdp1", stage="first_forward", **old_layout)) == []
+
+
 def _fact_grid():
     for frozen, zero3, kbit, peft, world, unused, stage, trainer, eval_layers in itertools.product(
             (0, 50), (False, True), (False, True), (False, True), (1, 2), (False, True),
@@ -145,6 +159,10 @@ def _fact_grid():
                     find_unused_parameters=unused, stage=stage, trainer=trainer, layers_in_eval_mode=eval_layers,
                     source="colossalai Booster.boost" if trainer == "" and peft else "call",
                     versions={"transformers": "4.57.6", "deepspeed": "0.18.9"})
+    for fsdp, layer_api, asked in itertools.product(("", "fsdp1", "fsdp2", "accelerate:fsdp1"), (True, False),
+                                                    (None, True, False)):
+        yield facts(fsdp=fsdp, checkpoint_layer_api=layer_api, asked_use_reentrant=asked,
+                    versions={"transformers": "4.47.1"})
 
 
 def _call_grid():
