@@ -91,3 +91,13 @@ def test_transformers_plugin_proven_range_spans_the_table():
     supported = [r["transformers"] for r in ROWS if r["status"] != "unsupported"]
     assert supported[0] in proven and supported[-1] in proven
     assert "4.35.1" not in proven and "5.23.1" not in proven
+
+
+def test_the_table_names_the_gcpatch_commit_each_release_proved():
+    module = runner()
+    cell = {"transformers": "4.99.0", "peft": "p", "trl": "t", "python": "3.11", "torch": "2.13.0", "wall_s": 1.0,
+            "rules": {"R1 frozen": {"state": "pass", "n": 2, "skipped": [], "code": "abc1234"},
+                      "P4 LoRA": {"state": "pass", "n": 1, "skipped": [], "code": "abc1234"},
+                      "R5 eval": {"state": "pass", "n": 1, "skipped": []}}}
+    assert module._codes(cell) == "abc1234 (2), - (1)"
+    assert module.code_version().split("-")[0]  # a commit, read from this checkout
