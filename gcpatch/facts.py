@@ -73,6 +73,28 @@ def _is_checkpoint_layer_class(cls: type) -> bool:
     return any(base.__name__ == "GradientCheckpointingLayer" for base in cls.__mro__)
 
 
+def checkpoint_site(layers: list[Any]) -> str:
+    """Where the checkpoint call sits around a checkpointed layer, which decides what a reentrant
+    recompute runs again in backward (F2):
+    "loop": the stack's loop checkpoints `layer.__call__` (families before GradientCheckpointingLayer):
+      the layer's hooks and any wrapper module around it (FSDP1's) run again;
+    "layer_call": GradientCheckpointingLayer.__call__ checkpoints `nn.Module.__call__` (transformers
+      4.52-5.22): the layer's own hooks (FSDP2's) run again, a wrapper around it does not;
+    "layer_forward": the checkpoint wraps `forward` alone (transformers 5.23+): neither;
+    "": no checkpointed layer."""
+    if not layers:
+        return ""
+    return _checkpoint_site_of(type(layers[0]))
+
+
+@functools.lru_cache(maxsize=None)
+def _checkpoint_site_of(cls: type) -> str:
+    base = next((c for c in cls.__mro__ if c.__name__ == "GradientCheckpointingLayer"), None)
+    if base is None:
+        return "loop"
+    return "layer_call" if "__call__" in vars(base) else "layer_forward"
+
+
 _CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
 
 
@@ -302,6 +324,7 @@ def gather(
         main_input_name=str(getattr(model, "main_input_name", "input_ids")),
         layers_in_eval_mode=sum(1 for m in layers if not m.training),
         checkpoint_layer_api=bool(layers) and is_checkpoint_layer(layers[0]),
+        checkpoint_site=checkpoint_site(layers),
         use_cache=getattr(config, "use_cache", None),
         use_cache_configs={where: getattr(cfg, "use_cache", None) for where, cfg in use_cache_configs(model).items()},
         stacks=stack_facts(model),

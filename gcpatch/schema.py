@@ -160,6 +160,9 @@ class Facts:
     stacks: tuple[Mapping[str, Any], ...] = ()
     # a checkpoint function other than torch's that the layers will call ("": torch's)
     checkpoint_function: str = ""
+    # where the checkpoint call sits around a checkpointed layer (facts.checkpoint_site): "loop" |
+    # "layer_call" | "layer_forward" | "" (no layer); what a reentrant recompute runs again depends on it (F2)
+    checkpoint_site: str = ""
     # FSDP wrapping the model: "fsdp1" | "fsdp2" (wrapped, or wrapping now), "accelerate:fsdpN" (launcher), ""
     fsdp: str = ""
     # FSDP's own activation checkpointing: "checkpoint_wrapper: N modules (impl)", "accelerate: planned", ""

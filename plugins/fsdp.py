@@ -5,14 +5,17 @@ checkpoints blocks that transformers may checkpoint too. Both are facts of the d
 (gcpatch/facts.py `fsdp_facts`), taken again when FSDP wraps the model or adds its wrappers, as
 DDP's wrap is (R4): the record says what FSDP did, and the rules decide with the wrapped model.
 
-Where the checkpoint call wraps an FSDP unit from outside (model families before transformers'
-GradientCheckpointingLayer: `self._gradient_checkpointing_func(decoder_layer.__call__, ...)` on the
-wrapped layer), reentrant recompute runs the unit's forward again inside backward: FSDP1 all-gathers
-the unit's parameters a second time (transformers#30404, pytorch#105635), FSDP2 runs its forward
-prefetch again. Non-reentrant recompute does not (F2; integration/test_fsdp_all_gather.py counts
-them). It is a cost, not a failure: F2 recommends non-reentrant, and an explicit reentrant ask is
-kept and told the cost. With the checkpoint inside the unit (GradientCheckpointingLayer) both
-variants all-gather as often as no checkpointing, and F2 does not vote.
+Where the checkpoint call encloses FSDP's unshard, reentrant recompute runs it again inside
+backward; non-reentrant recompute does not (F2; integration/test_fsdp_all_gather.py counts them).
+Which FSDP is enclosed depends on where the checkpoint sits (`Facts.checkpoint_site`):
+- "loop" (families before GradientCheckpointingLayer: `_gradient_checkpointing_func(layer.__call__)`
+  on the wrapped layer): FSDP1's wrapper, whose second all-gather is transformers#30404 /
+  pytorch#105635, and FSDP2's hooks;
+- "layer_call" (GradientCheckpointingLayer.__call__ checkpoints `nn.Module.__call__`, transformers
+  4.52-5.22): FSDP2's hooks, whose forward prefetch runs again; FSDP1's wrapper stays outside;
+- "layer_forward" (transformers 5.23+ checkpoints `forward` alone): neither, and F2 does not vote.
+It is a cost, not a failure: F2 recommends non-reentrant, and an explicit reentrant ask is kept
+and told the cost.
 """
 from __future__ import annotations
 
@@ -28,11 +31,13 @@ RULES = (
          "wrappers",
          "torch/distributed/fsdp/_fully_shard/_fully_shard.py, torch/distributed/algorithms/_checkpoint/"
          "checkpoint_wrapper.py", documents=True),
-    Rule("F2", "FSDP (FSDP1, or FSDP2 with forward prefetch) + a checkpoint call outside the FSDP unit (layers "
-         "without GradientCheckpointingLayer) -> non-reentrant recommended: reentrant recompute all-gathers each "
-         "unit again in backward; an explicit reentrant ask is kept and told the cost",
+    Rule("F2", "FSDP + a checkpoint call that encloses FSDP's unshard (FSDP1: layers checkpointed by the stack's "
+         "loop, before GradientCheckpointingLayer; FSDP2: also GradientCheckpointingLayer's __call__, transformers "
+         "4.52-5.22) -> non-reentrant recommended: reentrant recompute all-gathers again in backward (FSDP1 each "
+         "unit, FSDP2 its forward prefetch); an explicit reentrant ask is kept and told the cost",
          "transformers#30404, pytorch#105635; torch/distributed/fsdp/_flat_param.py "
-         "(FlatParamHandle._all_gather_flat_param); transformers/modeling_layers.py (4.52+)"),
+         "(FlatParamHandle._all_gather_flat_param); transformers/modeling_layers.py (GradientCheckpointingLayer "
+         "4.52-5.22 __call__, 5.23 forward)"),
 )
 
 INFO = PluginInfo(name="fsdp", framework="torch", versions=">=2.6,<3", rules=RULES, proven="==2.13.*")
@@ -67,15 +72,22 @@ _COSTS = {
 }
 
 
+# The checkpoint sites whose reentrant recompute runs each FSDP's unshard again (facts.checkpoint_site).
+_ENCLOSED = {"fsdp1": ("loop",), "fsdp2": ("loop", "layer_call")}
+
+
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    kinds = facts.fsdp.split(", ") if facts.fsdp else []
-    if facts.stage != "enable" or not kinds or not facts.checkpointed_layers or facts.checkpoint_layer_api:
+    if facts.stage != "enable" or not facts.fsdp:
         return []
-    cost, kept, short = _COSTS["fsdp1" if any(kind.endswith("fsdp1") for kind in kinds) else "fsdp2"]
+    kinds = ["fsdp1" if kind.endswith("fsdp1") else "fsdp2" for kind in facts.fsdp.split(", ")]
+    enclosed = [kind for kind in kinds if facts.checkpoint_site in _ENCLOSED[kind]]
+    if not enclosed:
+        return []
+    cost, kept, short = _COSTS[enclosed[0]]
     return [Vote(USE_REENTRANT, False, RECOMMENDED, "F2",
-                 f"the checkpoint call wraps each FSDP unit from outside ({facts.model_class}'s layers predate "
-                 f"GradientCheckpointingLayer): {cost} (transformers#30404)",
+                 f"the checkpoint call encloses FSDP's unshard (checkpoint site: {facts.checkpoint_site}, "
+                 f"{facts.model_class}): {cost} (transformers#30404)",
                  short=short, kept_cost=f"{kept}; use_reentrant=False avoids it (transformers#30404)")]
 
 

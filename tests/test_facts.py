@@ -3,6 +3,7 @@ configs: what each rule reads is counted from the model as it is, not assumed.""
 from __future__ import annotations
 
 import pytest
+from packaging.version import Version
 
 from subproc import requires_transformers
 
@@ -55,6 +56,12 @@ def test_checkpointed_layers_their_mode_and_whether_they_train():
     flagged = 3 if per_layer else 1
     got = gather(model)
     assert got.checkpointed_layers == flagged and got.checkpoint_layer_api is per_layer
+    # where the checkpoint sits (F2): transformers/modeling_layers.py checkpoints `__call__` from 4.52, `forward` from 5.23
+    import transformers
+
+    release = Version(transformers.__version__)
+    assert got.checkpoint_site == ("loop" if release < Version("4.52") else
+                                   "layer_call" if release < Version("5.23") else "layer_forward")
     assert got.layers_in_eval_mode == 0 and got.trainable_in_checkpointed_layers
     model.eval()
     for layer in model.model.layers:

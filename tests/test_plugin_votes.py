@@ -137,18 +137,21 @@ def test_checkpoint_call_rules():
     assert [(v.rule, v.knob) for v in vote(call_facts(nested=True))] == [("CK2", RUN_INLINE)]
 
 
-def test_f2_recommends_non_reentrant_where_the_checkpoint_call_wraps_an_fsdp_unit():
+def test_f2_recommends_non_reentrant_where_the_checkpoint_encloses_fsdps_unshard():
     fsdp = plugin("fsdp").gcpatch_vote
-    old_layout = dict(checkpoint_layer_api=False, checkpointed_layers=2)
-    for kind in ("fsdp1", "accelerate:fsdp1", "fsdp2"):
-        votes = fsdp(facts(fsdp=kind, **old_layout))
-        assert rules_voted(votes) == [("F2", False, RECOMMENDED)], kind
+    for kind, site in [("fsdp1", "loop"), ("accelerate:fsdp1", "loop"), ("fsdp2", "loop"), ("fsdp2", "layer_call"),
+                       ("accelerate:fsdp2", "layer_call")]:
+        votes = fsdp(facts(fsdp=kind, checkpoint_site=site))
+        assert rules_voted(votes) == [("F2", False, RECOMMENDED)], (kind, site)
         assert votes[0].kept_cost and "transformers#30404" in votes[0].kept_cost
-    assert "FSDP1" in fsdp(facts(fsdp="fsdp1", **old_layout))[0].reason and "FSDP2" in fsdp(facts(fsdp="fsdp2", **old_layout))[0].reason
-    assert fsdp(facts(fsdp="fsdp1", checkpoint_layer_api=True)) == []  # the checkpoint runs inside the unit
-    assert fsdp(facts(fsdp="", **old_layout)) == []
-    assert fsdp(facts(fsdp="fsdp1", checkpoint_layer_api=False, checkpointed_layers=0)) == []
-    assert fsdp(facts(fsdp="fsdp1", stage="first_forward", **old_layout)) == []
+    assert "FSDP1" in fsdp(facts(fsdp="fsdp1", checkpoint_site="loop"))[0].reason
+    assert "FSDP2" in fsdp(facts(fsdp="fsdp2", checkpoint_site="layer_call"))[0].reason
+    assert fsdp(facts(fsdp="fsdp1", checkpoint_site="layer_call")) == []  # FSDP1's wrapper stays outside
+    assert fsdp(facts(fsdp="fsdp1", checkpoint_site="layer_forward")) == []
+    assert fsdp(facts(fsdp="fsdp2", checkpoint_site="layer_forward")) == []  # FSDP2's hooks stay outside
+    assert fsdp(facts(fsdp="", checkpoint_site="loop")) == []
+    assert fsdp(facts(fsdp="fsdp1", checkpoint_site="")) == []  # no checkpointed layer
+    assert fsdp(facts(fsdp="fsdp1", checkpoint_site="loop", stage="first_forward")) == []
 
 
 def _fact_grid():
@@ -159,10 +162,9 @@ def _fact_grid():
                     find_unused_parameters=unused, stage=stage, trainer=trainer, layers_in_eval_mode=eval_layers,
                     source="colossalai Booster.boost" if trainer == "" and peft else "call",
                     versions={"transformers": "4.57.6", "deepspeed": "0.18.9"})
-    for fsdp, layer_api, asked in itertools.product(("", "fsdp1", "fsdp2", "accelerate:fsdp1"), (True, False),
-                                                    (None, True, False)):
-        yield facts(fsdp=fsdp, checkpoint_layer_api=layer_api, asked_use_reentrant=asked,
-                    versions={"transformers": "4.47.1"})
+    for fsdp, site, asked in itertools.product(("", "fsdp1", "fsdp2", "accelerate:fsdp1"),
+                                               ("", "loop", "layer_call", "layer_forward"), (None, True, False)):
+        yield facts(fsdp=fsdp, checkpoint_site=site, asked_use_reentrant=asked, checkpoint_layer_api=site != "loop")
 
 
 def _call_grid():

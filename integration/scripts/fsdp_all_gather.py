@@ -9,12 +9,13 @@ usage: python -m torch.distributed.run --nproc_per_node=2 fsdp_all_gather.py --f
   --ask none: gradient_checkpointing_enable() with no kwargs (transformers 4.x then runs reentrant)
   --ask true/false: gradient_checkpointing_kwargs={"use_reentrant": ...}; nogc: no checkpointing
 
-Where the checkpoint call wraps the FSDP unit from outside (transformers before the
-GradientCheckpointingLayer layout: `self._gradient_checkpointing_func(decoder_layer.__call__, ...)`),
-reentrant recompute runs the unit's forward again inside backward: FSDP1 all-gathers its
-parameters a second time (transformers#30404, pytorch#105635), FSDP2 runs its forward prefetch
-again. Prints one RESULT line per rank: the all-gathers in forward and in backward, and every
-gradient against the same weights without checkpointing or sharding.
+Where the checkpoint call encloses FSDP's unshard, reentrant recompute runs it again inside
+backward: FSDP1 all-gathers a unit's parameters a second time (transformers#30404, pytorch#105635)
+where the stack's loop checkpoints the wrapped layer (`_gradient_checkpointing_func(layer.__call__)`,
+before GradientCheckpointingLayer); FSDP2's hooks, whose forward prefetch then runs again, sit inside
+the checkpoint there and also where GradientCheckpointingLayer checkpoints `nn.Module.__call__`.
+Prints one RESULT line per rank: where the checkpoint sits, the all-gathers in forward and in
+backward, and every gradient against the same weights without checkpointing or sharding.
 """
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ from torch.distributed.fsdp import ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from _common import checkpoint_use_reentrant, compare_grads, emit, input_ids, llama, trainable_grads
+
+def checkpoint_site(layer_cls) -> str:
+    """loop: the model's loop checkpoints `layer.__call__`; layer_call: GradientCheckpointingLayer's
+    `__call__` checkpoints `nn.Module.__call__` (hooks inside); layer_forward: it checkpoints `forward`."""
+    base = next((c for c in layer_cls.__mro__ if c.__name__ == "GradientCheckpointingLayer"), None)
+    return "loop" if base is None else "layer_call" if "__call__" in vars(base) else "layer_forward"
+
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fsdp", choices=("1", "2"), default="1")
@@ -100,6 +108,6 @@ units = sum(type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP")) fo
 emit({"rank": rank, "world": dist.get_world_size(), "fsdp": args.fsdp, "units": units,
       "forward_all_gathers": forward_gathers, "backward_all_gathers": backward_gathers,
       "applied_use_reentrant": checkpoint_use_reentrant(model), "enabled_use_reentrant": applied,
-      "checkpoint_inside_unit": any(c.__name__ == "GradientCheckpointingLayer" for c in layer_cls.__mro__),
+      "checkpoint_site": checkpoint_site(layer_cls),
       **compare_grads(got, ref, atol=1e-6)})
 dist.destroy_process_group()
