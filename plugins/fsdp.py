@@ -67,7 +67,7 @@ _COSTS = {
     "fsdp1": ("reentrant recompute makes FSDP1 all-gather every checkpointed unit's parameters a second time in "
               "backward", "each FSDP1 unit is all-gathered twice in backward", "reentrant gathers FSDP1 units twice"),
     "fsdp2": ("reentrant recompute runs FSDP2's forward prefetch again in backward (an extra all-gather per unit "
-              "where set_modules_to_forward_prefetch is set)", "FSDP2's forward prefetch runs again in backward",
+              "where set_modules_to_forward_prefetch is set)", "with forward prefetch set, FSDP2 all-gathers again in backward",
               "reentrant re-runs FSDP2 prefetch"),
 }
 
