@@ -17,7 +17,7 @@ import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from gcpatch import hookspecs, settings
+from gcpatch import console, hookspecs, settings
 from gcpatch.errors import GcpatchError
 from gcpatch.schema import (
     EVAL_MODE_FIX,
@@ -99,7 +99,7 @@ class PluginHost:
         elif not _in_range(installed, info.versions):
             status.state = "skipped"
             status.why = f"{info.framework} {installed} is outside the supported range {info.versions}"
-            log.error("gcpatch: plugin %s skipped: %s", name, status.why)
+            _say_once(logging.ERROR, f"gcpatch: plugin {name} skipped: {status.why}")
         elif info.proven and not _in_range(installed, info.proven):
             status.untested = True
             _say_untested(info.framework, installed, info.proven)
@@ -348,16 +348,22 @@ def _entry_points(group: str) -> list[metadata.EntryPoint]:
     return list(found.get(group, ()))  # type: ignore[union-attr]
 
 
-_untested_said: set[tuple[str, str]] = set()
+_said: set[str] = set()  # what this process already said about plugin ranges
+
+
+def _say_once(level: int, text: str) -> None:
+    """Once per process (a restarted engine loads the plugins again) and once per job, as the
+    decision lines (gcpatch/console.py): every rank, and the launcher, load the same plugins."""
+    if text in _said:
+        return
+    _said.add(text)
+    log.log(level if console.speaker() else logging.DEBUG, "%s", text)
 
 
 def _say_untested(framework: str, version: str, proven: str) -> None:
-    """Once per process and release: the plugin runs, but no matrix cell proves this release."""
-    if (framework, version) in _untested_said:
-        return
-    _untested_said.add((framework, version))
-    log.warning("gcpatch: untested %s %s (the version matrix proves %s); gcpatch keeps working where it can "
-                "and falls back to %s's own behaviour where it cannot", framework, version, proven, framework)
+    """The plugin runs, but no matrix cell proves this release."""
+    _say_once(logging.WARNING, f"gcpatch: untested {framework} {version} (the version matrix proves {proven}); "
+              f"gcpatch keeps working where it can and falls back to {framework}'s own behaviour where it cannot")
 
 
 def _installed_version(dist: str) -> str | None:

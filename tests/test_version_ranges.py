@@ -92,6 +92,16 @@ def test_plugin_range_proven_untested_and_unsupported(tmp_path, version, state, 
         assert "stubfw 3.1 is outside the supported range >=1,<3" in proc.stderr
 
 
+@pytest.mark.parametrize("rank, said", [("0", 1), ("1", 0)])
+def test_an_unsupported_release_is_said_once_per_job(tmp_path, rank, said):
+    """Every rank loads the same plugins: local rank 0 says the skip, the others keep it at DEBUG."""
+    site = stub_site(tmp_path, "3.1")
+    proc = run_python(LOAD_TWICE, tmp_path, PYTHONPATH=str(site), GCPATCH_DISABLE_PLUGINS=_builtins(),
+                      LOCAL_RANK=rank)
+    assert result_of(proc)["state"] == "skipped"
+    assert proc.stderr.count("stubfw 3.1 is outside the supported range >=1,<3") == said, proc.stderr
+
+
 def test_doctor_shows_proven_range_against_the_installed_version(tmp_path):
     site = stub_site(tmp_path, "2.0")
     proc = run_python("from gcpatch.cli import main; raise SystemExit(main(['doctor']))", tmp_path,
