@@ -5,7 +5,7 @@ table matrix/RESULTS.md (release x rule -> pass / skip with reason / fail / not 
     python matrix/run.py                      # every cell, the core selection
     python matrix/run.py --cells 4.43.4,5.17.0 --tests full
     python matrix/run.py --cells missing      # resume: the cells without a result for the selected columns
-    python matrix/run.py --cells missing --tests "P1 QLoRA,T1 TRL,R4 DDP"   # the extra columns where not run
+    python matrix/run.py --cells missing --tests "P1 QLoRA,T1 TRL,R4 DDP,F2 FSDP"   # the extra columns where not run
     python matrix/run.py --cells none --pythons 3.9,3.10,3.12,3.13   # the framework-free suite there
     python matrix/run.py --render             # only re-render RESULTS.md from results.json
 
