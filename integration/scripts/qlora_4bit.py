@@ -23,11 +23,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def load_4bit(path):
+    import transformers
+    from packaging.version import Version
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    # `dtype` from transformers 4.56 (modeling_utils.from_pretrained); `torch_dtype` before
+    name = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb, device_map="cpu",
-                                                dtype=torch.float32)
+                                                **{name: torch.float32})
 
 
 def loss_and_backward(model, ids):
