@@ -64,13 +64,8 @@ def _checkpoint_layers(model: Any) -> list[Any]:
 
 
 def is_checkpoint_layer(module: Any) -> bool:
-    return _is_checkpoint_layer_class(type(module))
-
-
-@functools.lru_cache(maxsize=None)
-def _is_checkpoint_layer_class(cls: type) -> bool:
-    # per class, once: a model has hundreds of modules of a handful of classes
-    return any(base.__name__ == "GradientCheckpointingLayer" for base in cls.__mro__)
+    """A transformers GradientCheckpointingLayer (it checkpoints itself), of either layout."""
+    return _checkpoint_site_of(type(module)) != "loop"
 
 
 def checkpoint_site(layers: list[Any]) -> str:
@@ -89,6 +84,7 @@ def checkpoint_site(layers: list[Any]) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _checkpoint_site_of(cls: type) -> str:
+    # per class, once: a model has hundreds of modules of a handful of classes
     base = next((c for c in cls.__mro__ if c.__name__ == "GradientCheckpointingLayer"), None)
     if base is None:
         return "loop"
