@@ -51,7 +51,7 @@ RULES: list[tuple[str, str, list[str]]] = [
     ("P1 QLoRA", "P1 4-bit + reentrant", ["integration/test_qlora_4bit.py"]),
     ("T1 TRL", "TRL SFT + PEFT", ["integration/test_trl_peft.py"]),
     ("R4 DDP", "R4 DDP find_unused over 2 ranks", ["integration/test_ddp_unused.py"]),
-    ("F2 FSDP", "F2 FSDP all-gathers: reentrant outside the unit", ["integration/test_fsdp_all_gather.py"]),
+    ("F2 FSDP", "F2 reentrant recompute that encloses FSDP's unshard all-gathers again", ["integration/test_fsdp_all_gather.py"]),
 ]
 CORE = ["patch points", "canaries", "R1 frozen", "P4 LoRA", "R5 eval", "X3 Trainer", "X1 args"]
 CI_CELLS = ("oldest", "4.57.6", "newest")
