@@ -28,11 +28,12 @@ class ScriptRuns:
     def get(self, script: str, *args: str, gcpatch: bool, env: dict[str, str] | None = None,
             launcher: str = "python", exit_ok: bool = True, blunt: bool = False) -> Run:
         """The run's RESULT; `exit_ok=False` accepts a non-zero exit (ranks that crashed after
-        printing their RESULT lines, as a plain DDP failure does); `blunt` runs it plain with the
+        printing their RESULT lines, as a plain DDP failure does), otherwise only gloo's teardown
+        abort after every RESULT is (`Run.exited_cleanly`); `blunt` runs it plain with the
         force-non-reentrant patch."""
         spec = Spec(script, tuple(args), gcpatch, tuple(sorted((env or {}).items())), launcher, blunt)
         run = self.submit(spec).result()
-        assert (run.returncode == 0 or not exit_ok) and run.result, \
+        assert (run.exited_cleanly() or not exit_ok) and run.result, \
             f"script failed or printed no single RESULT line\n{run.describe()}"
         return run
 
