@@ -13,7 +13,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gcpatch.facts import checkpoint_function, checkpoint_layers, checkpoint_stacks, is_checkpoint_layer, use_cache_configs
+from gcpatch.facts import (checkpoint_function, checkpoint_layers, checkpoint_stacks, is_checkpoint_layer, passes_kv_cache,
+                           use_cache_configs)
 from gcpatch.schema import INPUT_GRADS_HOOK, USE_CACHE_OFF, USE_REENTRANT, Decision
 
 log = logging.getLogger("gcpatch")
@@ -191,7 +192,7 @@ def _asks_for_cache(kwargs: dict[str, Any]) -> bool:
     # A forward that asks for a KV cache (use_cache=True, a cache to extend): checkpointed layers
     # would drop it (GradientCheckpointingLayer sets use_cache=False), where the user's eval-mode
     # layers keep it. Such a forward keeps the user's mode: never an empty cache for a full one.
-    return kwargs.get("use_cache") is True or kwargs.get("past_key_values") is not None
+    return kwargs.get("use_cache") is True or passes_kv_cache(kwargs)
 
 
 def _sync_modes(layers: list[weakref.ref], kwargs: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from gcpatch import record, settings
 from gcpatch.errors import GcpatchError
-from gcpatch.facts import checkpoint_layers, rank
+from gcpatch.facts import checkpoint_layers, passes_kv_cache, rank
 
 log = logging.getLogger("gcpatch")
 
@@ -270,7 +270,7 @@ def _unsupported(torch: Any, model: Any, trainable: list, kwargs: Mapping[str, A
         return "FSDP-sharded parameters: an extra pass would run FSDP's collectives"
     if any(getattr(p, "_post_accumulate_grad_hooks", None) for _, p in trainable):
         return "parameters carry post-accumulate-grad hooks (optimizer in backward): they would run twice"
-    if kwargs.get("past_key_values") is not None:
+    if passes_kv_cache(kwargs):
         return "a KV cache is passed in: the extra passes would write into it"
     try:
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:

@@ -7,7 +7,7 @@ layers checkpoint while their forward still runs in eval mode (dropout stays off
 """
 from __future__ import annotations
 
-
+import pytest
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain, enable_records
 from packaging.version import Version
 
@@ -24,6 +24,12 @@ LAYERS = 4
 LEGACY = TRANSFORMERS < Version("4.53")
 FLAGGED = ["transformer"] if LEGACY else [f"transformer.h.{i}" for i in range(LAYERS)]
 FIXED = len(FLAGGED)
+# The cached decode step of GENERATE builds its cache as Llama does from transformers 4.56 on
+# (models/llama/modeling_llama.py: `DynamicCache(config=self.config)`); its keyword is `cache` from
+# 5.24 (`@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`).
+NO_CACHED_STEP = (f"transformers {TRANSFORMERS}: the cached decode step builds DynamicCache(config=...), 4.56+"
+                  if TRANSFORMERS < Version("4.56") else "")
+CACHE_KEYWORD = "cache" if TRANSFORMERS >= Version("5.24") else "past_key_values"
 
 
 def test_eval_mode_model_checkpoints_and_saves_memory_like_train_mode(script_runs):
@@ -83,3 +89,14 @@ def test_plain_generate_after_eval_mode_checkpointing_is_unchanged(script_runs):
     run = script_runs.get(GENERATE, gcpatch=False)
     assert_plain(run)
     assert run.result["tokens_equal"], run.result
+
+
+@pytest.mark.skipif(bool(NO_CACHED_STEP), reason=NO_CACHED_STEP)
+@pytest.mark.parametrize("gcpatch", [False, True], ids=["plain", "gcpatch"])
+def test_grad_enabled_step_passing_only_a_kv_cache_keeps_it(script_runs, gcpatch):
+    # R5 leaves a forward that extends a KV cache in the user's mode: a checkpointed layer would drop
+    # the cache (GradientCheckpointingLayer sets it to None), so the step would attend to itself only.
+    run = script_runs.get(GENERATE, gcpatch=gcpatch)
+    r = run.result
+    assert r["cache_keyword"] == CACHE_KEYWORD
+    assert r["cached_step_equal"], r

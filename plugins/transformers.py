@@ -69,7 +69,7 @@ RULES = (
 )
 
 INFO = PluginInfo(name="transformers", framework="transformers", versions=">=4.35", rules=RULES,
-                  proven=">=4.35.2,<=5.23.0")
+                  proven=">=4.35.2,<=5.24.0")
 
 
 @hookimpl

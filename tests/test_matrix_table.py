@@ -28,7 +28,7 @@ def test_every_minor_from_the_oldest_to_the_newest_has_one_row():
     versions = [Version(r["transformers"]) for r in ROWS]
     assert versions == sorted(versions)
     minors = [(v.major, v.minor) for v in versions]
-    expected = [(4, m) for m in range(35, 58)] + [(5, m) for m in range(0, 24)]
+    expected = [(4, m) for m in range(35, 58)] + [(5, m) for m in range(0, 25)]
     assert minors == expected
     for row in ROWS:
         assert row["peft"] and row["trl"] and row["accelerate"] and row["source"], row
@@ -90,7 +90,7 @@ def test_transformers_plugin_proven_range_spans_the_table():
     proven = SpecifierSet(next(k.value.value for k in call.keywords if k.arg == "proven"))
     supported = [r["transformers"] for r in ROWS if r["status"] != "unsupported"]
     assert supported[0] in proven and supported[-1] in proven
-    assert "4.35.1" not in proven and "5.23.1" not in proven
+    assert "4.35.1" not in proven and "5.24.1" not in proven
 
 
 def test_the_table_names_the_gcpatch_commit_each_release_proved():
