@@ -13,8 +13,9 @@
   source and rebinds the result over gcpatch's wrapper; gcpatch wraps the replacement again, says so
   once, and the enable inside it is still decided as peft's.
 - The decision lines show on Axolotl's console although its logging set-up hides other libraries' INFO.
+- `gradient_checkpointing: false` is final: with gcpatch it trains exactly as Axolotl alone does.
 
-Eight `axolotl train` processes in all (two of them refused at validation), shared by the tests.
+Nine `axolotl train` processes in all (two of them refused at validation), shared by the tests.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ RUNS = {
     "unfrozen-gcpatch": ("unfrozen_reentrant.yml", True, {}),
     "unfrozen-strict": ("unfrozen_reentrant.yml", True, {"GCPATCH_MODE": "strict"}),
     "unfrozen-nogc-reference": ("unfrozen_nogc.yml", False, {}),
+    "unfrozen-nogc-gcpatch": ("unfrozen_nogc.yml", True, {}),
     "lora-gcpatch": ("lora_reentrant.yml", True, {}),
     "qlora-gcpatch": ("qlora.yml", True, {}),
     "skip-upcast-plain": ("qlora_skip_upcast.yml", False, {}),
@@ -86,6 +88,19 @@ def test_gcpatch_trains_unfrozen_reentrant_with_reference_gradients(ax_runs):
     assert all(name.startswith("model.layers.1.") for name in diffs), sorted(diffs)
     assert max(diffs.values()) <= 1e-6, diffs
     assert any(abs(v) > 0 for g in q["grads"].values() for v in g)  # a real gradient, not all zeros
+
+
+def test_gradient_checkpointing_false_stays_off_and_trains_as_without_gcpatch(ax_runs):
+    # The user's "off" is final and leaves no trace: no layer checkpoints, the config's use_cache is
+    # Axolotl's own, no enable is decided, and the first step's gradients are bit-identical.
+    run, ref = trained(ax_runs, "unfrozen-nogc-gcpatch"), trained(ax_runs, "unfrozen-nogc-reference")
+    r, q = run.result, ref.result
+    assert r["env_GCPATCH"] == "1" and r["gcpatch_loaded"], r
+    assert r["checkpointing"] is False and q["checkpointing"] is False
+    assert r["use_cache"] == q["use_cache"], (r["use_cache"], q["use_cache"])
+    assert r["grad_none"] == q["grad_none"] == [] and r["trainable"] == q["trainable"] == LAYER1
+    assert set(max_abs_diff(r["grads"], q["grads"]).values()) == {0.0}
+    assert records(run, "enable") == [], records(run)
 
 
 def test_gcpatch_records_the_config_decision_r1(ax_runs):

@@ -55,6 +55,7 @@ class GradDump(TrainerCallback):
             "grads": grads,
             "checkpointing": any(getattr(m, "gradient_checkpointing", False) for m in layers),
             "use_reentrant": c.checkpoint_use_reentrant(model),
+            "use_cache": getattr(getattr(model, "config", None), "use_cache", None),
             "max_grad_norm": args.max_grad_norm,
             "model_class": type(model).__name__,
             "env_GCPATCH": os.environ.get("GCPATCH"),
