@@ -280,14 +280,11 @@ def use_cache_configs(model: Any) -> dict[str, Any]:
     return found
 
 
-# The keyword a forward takes its KV cache by: `past_key_values` up to transformers 5.23, `cache`
-# from 5.24 (models/*/modeling_*.py: `@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`).
-CACHE_KWARGS = ("past_key_values", "cache")
-
-
 def passes_kv_cache(kwargs: Mapping[str, Any]) -> bool:
-    """A forward call extends a KV cache, under either name a release accepts."""
-    return any(kwargs.get(name) is not None for name in CACHE_KWARGS)
+    """A forward call extends a KV cache, under either keyword a release takes it by: `past_key_values`
+    up to transformers 5.23, `cache` from 5.24 (models/*/modeling_*.py:
+    `@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`). Runs at every forward: two lookups."""
+    return kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
 
 
 def gather(
