@@ -58,6 +58,10 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
     checkpoint_call.cover(call.model)  # its layers' checkpoint calls follow this decision (CK4)
     entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=_same_as_last(ctx, facts, decision))
     ctx.commit(entry)
+    if cfg.memory_budget is not None:
+        from gcpatch import planner  # only with GCPATCH_MEMORY_BUDGET set: its plan runs before verify looks
+
+        planner.arm(call.model, cfg.memory_budget)
     if cfg.verify:
         verify.arm(call.model)
     return result
