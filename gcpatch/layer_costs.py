@@ -3,9 +3,9 @@ forward, plain and checkpointed, and the seconds its recompute takes.
 
 The instrument is `Held`: a torch dispatch mode that notes every storage an operator allocates
 during a forward (views and in-place results share their input's storage and are skipped), and
-which layer was running then. After the forward, while its output is still alive, the storages
-that are still alive are exactly what the backward holds on to (saved tensors, checkpoint inputs,
-the output), each counted once however many tensors share it. A plain layer holds what it
+which layer was running then. After the forward, with its graph kept and what it returned let
+go, the storages still alive are exactly what the backward holds on to (saved tensors, checkpoint
+inputs), each counted once however many tensors share it. A plain layer holds what it
 allocated and is still alive; a checkpointed one holds only its outputs (the next layer's input,
 which the plain layer also holds), so both are read from one plain forward. Bytes are measured
 on one and on two rows of the batch and extrapolated linearly to the whole batch (a causal
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from gcpatch.budget import LayerCost
+from gcpatch.verify import _tensors
 
 OUTSIDE = -1
 
@@ -84,16 +85,18 @@ class Held:
                 handle.remove()
             self._handles.clear()
 
-    def alive(self) -> dict[int, int]:
-        """Bytes still alive per allocating layer (OUTSIDE for the rest)."""
+    def alive(self, returned: Any = None) -> dict[int, int]:
+        """Bytes still alive per allocating layer (OUTSIDE for the rest), leaving out the storages
+        of `returned` (what the forward returned: held with or without checkpointing)."""
+        skip = {self._key(t) for t in _tensors(self._torch, returned)}
         out: dict[int, int] = {}
-        for ref, nbytes, owner in self.created.values():
-            if not ref.expired():
+        for key, (ref, nbytes, owner) in self.created.items():
+            if key not in skip and not ref.expired():
                 out[owner] = out.get(owner, 0) + nbytes
         return out
 
-    def total(self) -> int:
-        return sum(self.alive().values())
+    def total(self, returned: Any = None) -> int:
+        return sum(self.alive(returned).values())
 
     def outputs_alive(self, index: int) -> int:
         total = 0
@@ -148,10 +151,14 @@ def measure(model: Any, layers: list[Any], run: Callable[[int], Any], batch: int
         held = Held(layers)
         with held:
             output = run(rows)
+        # The graph stays, what the forward returned goes: the caller decides whether to keep its
+        # logits, and they are held with or without checkpointing.
+        graph = [t.grad_fn for t in _tensors(sys.modules["torch"], output) if t.grad_fn is not None]
+        del output
         alive = held.alive()
         points.append(([alive.get(i, 0) for i in range(len(layers))],
                        [held.outputs_alive(i) for i in range(len(layers))], alive.get(OUTSIDE, 0)))
-        del output, held
+        del graph, held
     seconds = _time_layers(layers, lambda: run(sizes[-1]), _sync(model))
     plain, ckpt, outside = _extrapolate(points, sizes, batch)
     costs = [LayerCost(name=f"{i}", plain=p, checkpointed=min(c, p), seconds=s, kind=k)
@@ -230,15 +237,3 @@ def held_bytes() -> Iterator[Held]:
     with held:
         yield held
 
-
-def _tensors(torch: Any, value: Any) -> Iterator[Any]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(torch, item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(torch, item)
-    elif hasattr(value, "to_tuple") and callable(value.to_tuple):  # transformers' ModelOutput
-        yield from _tensors(torch, value.to_tuple())

@@ -48,22 +48,28 @@ def arm(model: Any, chosen: budget_mod.Budget) -> None:
             return
         for handle in _armed.pop(model, ()):
             handle.remove()
-        outer = weakref.ref(model)
-
-        def _first_forward(module: Any, args: tuple, kwargs: dict) -> None:
-            target = outer()
-            if target is not None:
-                _on_first_forward(target, module, args, kwargs, chosen)
-
-        # Its base model too: peft < 0.18 enters the model's `forward` without a module call (verify.arm).
-        handles = [model.register_forward_pre_hook(_first_forward, with_kwargs=True)]
-        base = getattr(model, "base_model", None)
-        if base is not None and base is not model and hasattr(base, "register_forward_pre_hook"):
-            handles.append(base.register_forward_pre_hook(_first_forward, with_kwargs=True))
-        _armed[model] = handles
+        _armed[model] = [m.register_forward_pre_hook(_once(weakref.ref(model), chosen), with_kwargs=True)
+                         for m in _entered(model)]
     except Exception as exc:  # noqa: BLE001 (fail open)
         log.error("gcpatch: memory budget not armed for %s (%s: %s); checkpointing stays as decided",
                   type(model).__name__, type(exc).__name__, exc)
+
+
+def _entered(model: Any) -> list[Any]:
+    """The modules whose pre-hooks see the model's first forward: the model, and its base model,
+    since peft < 0.18 enters the model's `forward` without a module call (as verify.arm)."""
+    base = getattr(model, "base_model", None)
+    if base is None or base is model or not hasattr(base, "register_forward_pre_hook"):
+        return [model]
+    return [model, base]
+
+
+def _once(outer: Any, chosen: budget_mod.Budget) -> Any:
+    def first_forward(module: Any, args: tuple, kwargs: dict) -> None:
+        target = outer()
+        if target is not None:
+            _on_first_forward(target, module, args, kwargs, chosen)
+    return first_forward
 
 
 def _on_first_forward(model: Any, module: Any, args: tuple, kwargs: dict, chosen: budget_mod.Budget) -> None:
@@ -235,7 +241,7 @@ def _confirm_on_this_step(module: Any, name: str, outcome: dict, cfg: settings.S
             h.remove()
         try:
             held.__exit__(None, None, None)
-            total = held.total()
+            total = held.total(returned=output)
         except Exception as exc:  # noqa: BLE001
             log.error("gcpatch: rank %d budget %s: the real step could not be measured (%s: %s)", rank(), name,
                       type(exc).__name__, exc)
