@@ -35,6 +35,7 @@ _armed: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
 _plans: "weakref.WeakKeyDictionary[Any, list[bool]]" = weakref.WeakKeyDictionary()
 _shared: dict[str, int] = {}  # model class -> plans handed over so far (the same count on every rank)
 _measuring = False
+_ABSENT = object()  # a layer without its own `gradient_checkpointing` (the class default applies)
 
 
 def arm(model: Any, chosen: budget_mod.Budget) -> None:
@@ -101,7 +102,8 @@ def _plan(torch: Any, model: Any, module: Any, args: tuple, kwargs: dict, chosen
                             "older than transformers' GradientCheckpointingLayer), which has no per-layer switch")}
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     reason = verify._unsupported(torch, module, trainable, kwargs)
-    if reason and not reason.startswith("parameters carry post-accumulate-grad hooks"):  # no backward here
+    # verify's reasons, but for the optimizer-in-backward one: the measuring passes run no backward
+    if reason and not reason.startswith("parameters carry post-accumulate-grad hooks"):
         return {"skipped": reason}
     batch = verify._batch_size(torch, args, kwargs)
     if batch is None:
@@ -168,8 +170,6 @@ def _invisible(torch: Any, module: Any, layers: list) -> Iterator[None]:
             for b, saved in buffers:
                 b.copy_(saved)
 
-
-_ABSENT = object()
 
 
 def _apply(model: Any, flags: list[bool]) -> None:
