@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BUDGETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 CONFIGS = [(8, 256), (8, 512), (16, 256), (16, 512)]
-QUICK = {"budgets": [0.25, 0.5, 1.0], "configs": [(8, 64)], "compile": False}
+QUICK = {"budgets": [0.5, 1.0], "configs": [(4, 32)], "compile": False}
 HIDDEN, BATCH, VOCAB = 128, 2, 256
 STEPS = 5
 TOLERANCE = 0.05
