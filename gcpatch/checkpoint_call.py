@@ -113,11 +113,9 @@ def _outcome_of(function: Any, args: tuple, kwargs: dict) -> _Outcome:
         return _AS_CALLED
     tensor = torch.Tensor
     inputs_grad = any(isinstance(a, tensor) and a.requires_grad for a in args[1:])
-    reach = _reach(function, torch) if (inputs_grad and not (nested or context)) else None
-    if reach is not None and not reach.graph_tensors:
-        return _AS_CALLED  # a correct reentrant call: its bound tensors need no backward of their own
-    if reach is None:
-        reach = _reach(function, torch)
+    if inputs_grad and not (nested or context) and not _binds_graph_tensors(function, tensor, torch.nn.Module):
+        return _AS_CALLED  # a correct reentrant call: nothing bound into it has a graph of its own
+    reach = _reach(function, torch)
     covered = None if nested else next((_covered[m] for m in reach.modules if m in _covered), None)
     if nested or inputs_grad:
         trainable = None
@@ -297,6 +295,38 @@ def _reach(function: Any, torch: Any) -> _Reach:
     if not (modules or bound_grad):
         return _NOTHING
     return _Reach(tuple(modules), bound_grad, graph, bool(graph) and lifted == graph)
+
+
+def _binds_graph_tensors(function: Any, tensor: type, module_type: type) -> bool:
+    """The hot path's question for a correct reentrant call (CK5): does a tensor with a graph reach
+    the function other than positionally? Read one level deep, building nothing: a partial's
+    arguments and keywords (and tuples among them: transformers' `position_embeddings`), or a
+    function's closure cells and default arguments (a per-call closure, `def run(h=h)`). `_reach`
+    looks deeper once a call is off the hot path."""
+    if type(function) is functools.partial:
+        return _has_graph(function.keywords.values(), tensor) or _has_graph(function.args, tensor)
+    if isinstance(function, module_type):  # its attributes are not read (nn.Module.__getattr__ is slow)
+        return False
+    code = getattr(function, "__func__", function)
+    cells = []
+    for cell in getattr(code, "__closure__", None) or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return _has_graph(cells, tensor) or _has_graph(getattr(code, "__defaults__", None) or (), tensor)
+
+
+def _has_graph(values: Any, tensor: type) -> bool:
+    for value in values:
+        if isinstance(value, tensor):
+            if value.grad_fn is not None:
+                return True
+        elif type(value) is tuple:
+            for item in value:
+                if isinstance(item, tensor) and item.grad_fn is not None:
+                    return True
+    return False
 
 
 def _lift(function: Any, args: tuple, torch: Any) -> tuple[Any, tuple]:

@@ -68,7 +68,8 @@ FAMILIES = (
         "without one (frozen embeddings, inputs_embeds, adapters inside frozen layers, hidden states passed by "
         "keyword); if nothing trainable comes after the blocks the loss has no grad_fn. Also: every parameter "
         "frozen, or the forward ran under torch.no_grad()",
-        "R1 (partially frozen + reentrant -> non-reentrant), R2/X2/P1 (input-grads hook under reentrant)",
+        "CK1 (a reentrant call none of whose positional inputs requires grad -> non-reentrant), R1 (partially "
+        "frozen + reentrant -> non-reentrant), R2/X2/P1 (input-grads hook under reentrant)",
         "use_reentrant=False, or model.enable_input_require_grads() before training; check that a parameter "
         "requires grad and that the forward is not under torch.no_grad()",
     ),
@@ -188,6 +189,8 @@ def decisions() -> list[str]:
     for entry in record.history():
         if entry.get("stage") in ("enable", "first_forward", "config"):
             last[entry.get("model", "?")] = entry
+        elif entry.get("stage") == "call":  # a checkpoint call site's own decision (CK1-CK5)
+            last[f"checkpoint call at {entry.get('site', '?')}"] = {**entry, "api": "checkpoint", "source": "call"}
         elif entry.get("stage") == "verify":
             verified.append(entry["line"].split(" verify ", 1)[-1])
     if not last:

@@ -215,6 +215,8 @@ def _checked(model: Any, module: Any, args: tuple, kwargs: dict) -> Report:
         if module is not model:
             report.model = (f"{type(model).__name__} (checked on its base model {type(module).__name__}: "
                             f"{type(model).__name__}.forward was entered without a module call)")
+    except GcpatchError:
+        raise  # strict mode stopped the job at a rule (a call-site rule inside the checked pass): as asked
     except Exception as exc:  # noqa: BLE001 (fail open)
         report = Report(model=type(model).__name__, skipped=f"verify failed: {type(exc).__name__}: {exc}")
     return report

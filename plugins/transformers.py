@@ -58,8 +58,11 @@ RULES = (
          "itself; gcpatch leaves that error as it is",
          "transformers/trainer.py (5.23.0: create_accelerator_and_postprocess)", documents=True),
     Rule("R1", "partially frozen model + reentrant -> non-reentrant: reentrant blocks whose inputs need no "
-         "grad give their weights no gradients; under ZeRO-3 only where the deepspeed plugin publishes that "
-         "non-reentrant recompute of partitioned frozen parameters works (its R3 gate)",
+         "grad give their weights no gradients. Required where no input-grads hook can serve the stack (nothing "
+         "trainable upstream and the input embeddings do not feed it, or the encoder's output comes by keyword); "
+         "a recommendation where the input embeddings feed it, as R2's hook then makes reentrant exact and a "
+         "user's reentrant is kept. Under ZeRO-3 only where the deepspeed plugin publishes that non-reentrant "
+         "recompute of partitioned frozen parameters works (its R3 gate)",
          "transformers#21381, Axolotl A1, DeepSpeed #8148"),
     Rule("R2", "reentrant kept and a checkpointed layer trains -> input-grads hook on the embedding output "
          "and on inputs_embeds", "torch.utils.checkpoint docs, X2, peft#137"),
@@ -112,16 +115,16 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     if facts.stage == "enable":
         starved = _stacks_without_input_grads(facts)
         hooked = _stacks_without_input_grads(facts, served_by_hook=True) if not starved else ""
+        custom = "" if not facts.checkpoint_function else (
+            f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may run reentrant whatever "
+            "it is asked (offloading checkpointers): gcpatch also puts the input-grads hook (R2) in place; without "
+            "it, those blocks' weights get no gradients (by hand: enable_input_require_grads)")
         if hooked and not _zero3_needs_reentrant(facts):
             votes.append(Vote(USE_REENTRANT, False, RECOMMENDED, "R1", hooked + "; under reentrant the input-grads hook "
                               "on the input embeddings' output (R2) gives them one, so an explicit reentrant is "
-                              "kept; non-reentrant needs no hook", short=_starved_short(facts, hooked=True)))
+                              "kept; non-reentrant needs no hook" + custom, short=_starved_short(facts, hooked=True)))
         if starved and not _zero3_needs_reentrant(facts):
-            if facts.checkpoint_function:
-                starved += (f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may run "
-                            "reentrant whatever it is asked (offloading checkpointers): gcpatch also puts the "
-                            "input-grads hook (R2) in place; without it, those blocks' weights get no gradients "
-                            "(by hand: enable_input_require_grads)")
+            starved += custom
             votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", starved, avoids=WRONG_GRADIENTS,
                               short=_starved_short(facts)))
         if facts.trainable_in_checkpointed_layers:
