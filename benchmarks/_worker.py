@@ -173,6 +173,8 @@ def task_case(args: dict) -> dict:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if variant.startswith("hand") and variant.endswith("-R"):
+            _inputs_require_grad(model)  # reentrant made exact by hand, as gcpatch's R2 hook does
         return model
 
     def forward_of(setup: dict):
@@ -271,6 +273,21 @@ def task_case(args: dict) -> dict:
     return {"cases": results, "threads": torch.get_num_threads(), "import_gcpatch_ms": import_gcpatch_ms,
             "params": sum(p.numel() for p in base.parameters()),
             "attn": getattr(config, "_attn_implementation", None)}
+
+
+def _inputs_require_grad(model) -> None:
+    """What a careful user does for reentrant checkpointing behind frozen inputs: the embedding's
+    output and a passed inputs_embeds require grad (transformers' enable_input_require_grads covers
+    the first only)."""
+    model.enable_input_require_grads()
+
+    def embeds(module, args, kwargs):
+        value = kwargs.get("inputs_embeds")
+        if value is not None and not value.requires_grad:
+            kwargs["inputs_embeds"] = value.detach().requires_grad_(True)
+        return args, kwargs
+
+    model.register_forward_pre_hook(embeds, with_kwargs=True)
 
 
 def _hook_count(model) -> int:

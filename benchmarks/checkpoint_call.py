@@ -54,7 +54,7 @@ print(json.dumps(out))
 # The decision point alone: gcpatch's wrapper around a no-op stand-in for torch's checkpoint, so the
 # figure is what gcpatch adds and nothing of torch's own (variable) cost.
 ISOLATED = r"""
-import json, os, time, torch, wrapt
+import functools, json, os, time, torch, wrapt
 os.environ["GCPATCH"] = "1"
 import gcpatch
 from gcpatch import checkpoint_call, engine
@@ -65,22 +65,28 @@ x, x_no_grad = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4)
 def stand_in(function, *args, **kwargs):
     return None
 wrapped = wrapt.FunctionWrapper(stand_in, checkpoint_call.run)
+def forward(module, h, attention_mask=None, position_embeddings=None, position_ids=None, use_cache=False):
+    return module(h)
+mask, pos = torch.ones(2, 4), torch.arange(4)
+layer_call = functools.partial(forward, lin, attention_mask=mask, position_embeddings=(mask, mask), position_ids=pos,
+                               use_cache=False)
 kinds = {
-    "non-reentrant call": ({"use_reentrant": False}, x),
-    "correct reentrant call (input requires grad)": ({"use_reentrant": True}, x),
-    "reentrant call no input requires grad (CK1 runs it non-reentrant)": ({"use_reentrant": True}, x_no_grad),
+    "non-reentrant call": ({"use_reentrant": False}, lin, x),
+    "correct reentrant call (input requires grad)": ({"use_reentrant": True}, lin, x),
+    "correct reentrant call, transformers' partial with keyword tensors": ({"use_reentrant": True}, layer_call, x),
+    "reentrant call no input requires grad (CK1 runs it non-reentrant)": ({"use_reentrant": True}, lin, x_no_grad),
 }
 out = {}
-for name, (kw, arg) in kinds.items():
+for name, (kw, function, arg) in kinds.items():
     best = {}
     for label, fn in (("plain", stand_in), ("gcpatch", wrapped)):
         for _ in range(1000):
-            fn(lin, arg, **kw)
+            fn(function, arg, **kw)
         times = []
         for _ in range(15):
             start = time.process_time()
             for _ in range(20000):
-                fn(lin, arg, **kw)
+                fn(function, arg, **kw)
             times.append((time.process_time() - start) / 20000)
         best[label] = min(times) * 1e6
     out[name] = best["gcpatch"] - best["plain"]

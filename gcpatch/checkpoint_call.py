@@ -15,14 +15,15 @@ import functools
 import logging
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from gcpatch import engine, record, resolve, settings
 from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import named_modules
-from gcpatch.schema import RUN_INLINE, USE_REENTRANT, USER, CallFacts, Decision, Vote
+from gcpatch.schema import (DEFAULT, LIFT_BOUND_TENSORS, REQUIRED, RUN_INLINE, USE_REENTRANT, USER, CallFacts, Decision,
+                            Vote)
 
 log = logging.getLogger("gcpatch")
 
@@ -33,7 +34,7 @@ CHECKPOINT_KWARGS = frozenset(
 # How deep the running code is inside checkpointed functions (forward or recompute).
 _depth: contextvars.ContextVar[int] = contextvars.ContextVar("gcpatch_checkpoint_depth", default=0)
 # Modules whose checkpoint calls an enable-time decision covers, and the model it was made for.
-_covered: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_covered: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 _outcomes: dict[tuple, _Outcome] = {}
 _reported_sites: set[tuple] = set()
 
@@ -44,6 +45,7 @@ class _Outcome:
 
     use_reentrant: bool | None = None  # the value to run with; None: as called
     inline: bool = False  # run the function directly (CK2)
+    lift: bool = False  # pass the partial's bound graph tensors as positional inputs (CK5)
     rules: tuple[str, ...] = ()
     decision: Decision | None = None
     facts: CallFacts | None = None
@@ -56,11 +58,14 @@ class _Outcome:
 _AS_CALLED = _Outcome()
 
 
-def cover(model: Any) -> None:
-    """An enable-time decision now governs the checkpoint calls of `model`'s modules (CK4)."""
-    label = type(model).__name__
+def cover(model: Any, decision: Decision | None = None) -> None:
+    """An enable-time decision now governs the checkpoint calls of `model`'s modules (CK4): at
+    each call it is the standing vote, which only the call's own evidence (CK1, CK5) outranks."""
+    winner = decision.winners.get(USE_REENTRANT) if decision is not None else None
+    standing = (type(model).__name__, winner.rule, str(winner.strength), winner.avoids, winner.short or winner.reason) \
+        if winner is not None else (type(model).__name__, "DEFAULT", DEFAULT, "", "")
     for _, module in named_modules(model):
-        _covered[module] = label
+        _covered[module] = standing
 
 
 def uncover(model: Any) -> None:
@@ -87,6 +92,9 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
             return function(*args[1:], **{k: v for k, v in kwargs.items() if k not in CHECKPOINT_KWARGS})
         if outcome.use_reentrant is not None:
             kwargs = {**kwargs, USE_REENTRANT: outcome.use_reentrant}
+        elif outcome.lift:
+            function, rest = _lift(function, args, _torch)
+            args = (function, *rest)
     if USE_REENTRANT not in kwargs:  # torch warns with stacklevel=2: let it name the caller, not gcpatch
         return call_from(user_frame(), original, (_inside_checkpoint(function), *args[1:]), kwargs)
     return original(_inside_checkpoint(function), *args[1:], **kwargs)
@@ -105,13 +113,17 @@ def _outcome_of(function: Any, args: tuple, kwargs: dict) -> _Outcome:
         return _AS_CALLED
     tensor = torch.Tensor
     inputs_grad = any(isinstance(a, tensor) and a.requires_grad for a in args[1:])
-    if not (nested or context or not inputs_grad):
-        return _AS_CALLED  # a correct reentrant call
-    modules = _modules_in(function, torch.nn.Module)
-    if not nested and any(m in _covered for m in modules):
-        return _AS_CALLED  # CK4: the enable-time decision stands
-    trainable = None if (nested or inputs_grad or not modules) else _any_trainable(modules)
-    key = (_as_bool(asked), grad, inputs_grad, trainable, context, nested)
+    if inputs_grad and not (nested or context) and not _binds_graph_tensors(function, tensor, torch.nn.Module):
+        return _AS_CALLED  # a correct reentrant call: nothing bound into it has a graph of its own
+    reach = _reach(function, torch)
+    covered = None if nested else next((_covered[m] for m in reach.modules if m in _covered), None)
+    if nested or inputs_grad:
+        trainable = None
+    elif reach.bound_grad or _any_trainable(reach.modules):
+        trainable = True
+    else:
+        trainable = False if reach.modules else None  # no module reached: what it uses cannot be known
+    key = (_as_bool(asked), grad, inputs_grad, trainable, context, nested, reach.graph_tensors, reach.liftable, covered)
     outcome = _outcomes.get(key) or _decide(key, torch)
     if outcome.noteworthy:
         _report_once(outcome)
@@ -154,13 +166,15 @@ def _inside_checkpoint(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _decide(key: tuple, torch: Any) -> _Outcome:
-    asked, grad, inputs_grad, trainable, context, nested = key
+    asked, grad, inputs_grad, trainable, context, nested, graph, liftable, covered = key
     facts = CallFacts(asked_use_reentrant=asked, grad_enabled=grad, inputs_require_grad=inputs_grad,
                       trainable_inside=trainable, context_fn=context, nested=nested,
+                      bound_graph_tensors=graph, bound_graph_liftable=liftable,
+                      enable_decision=covered[1] if covered else "",
                       torch_version=str(getattr(torch, "__version__", "")))
     cfg = settings.read()
     try:
-        votes = [_as_called(facts)] + engine.host().call_votes(facts)
+        votes = [_standing(facts, covered)] + engine.host().call_votes(facts)
         decision = resolve.resolve(votes, cfg.mode)  # strict mode raises here, and nothing is cached
     except GcpatchError:
         raise
@@ -170,19 +184,39 @@ def _decide(key: tuple, torch: Any) -> _Outcome:
     changed = decision.values.get(USE_REENTRANT)
     use_reentrant = changed if changed is not None and changed != facts.reentrant else None
     inline = bool(decision.values.get(RUN_INLINE))
-    rules = tuple(v.rule for k, v in decision.winners.items()
-                  if (k == USE_REENTRANT and use_reentrant is not None) or (k == RUN_INLINE and inline))
-    outcome = _Outcome(use_reentrant, inline, rules, decision, facts)
+    lift = bool(decision.values.get(LIFT_BOUND_TENSORS)) and use_reentrant is None and facts.reentrant
+    applied = {USE_REENTRANT: use_reentrant is not None, RUN_INLINE: inline, LIFT_BOUND_TENSORS: lift}
+    rules = tuple(v.rule for k, v in decision.winners.items() if applied.get(k))
+    if covered and use_reentrant is not None:
+        _say_evidence_won(decision, covered)
+    outcome = _Outcome(use_reentrant, inline, lift, rules, decision, facts)
     _outcomes[key] = outcome
     return outcome
 
 
-def _as_called(facts: CallFacts) -> Vote:
-    """The call as the caller made it is the user's vote: a rule that changes it is a conflict,
-    resolved by the mode (fix applies the rule, warn keeps the call, strict raises)."""
+def _standing(facts: CallFacts, covered: tuple | None) -> Vote:
+    """The vote the call stands on: the enable-time decision that covers its module (with that
+    decision's rule and strength: a user's ask stays the user's, R3's required reentrant stays
+    required), else the call as the caller made it, which is the user's vote. A rule that changes
+    it is a conflict resolved by the mode (fix applies the rule, warn keeps the call, strict raises)."""
+    if covered:
+        model, rule, strength, avoids, why = covered
+        return Vote(USE_REENTRANT, facts.reentrant, strength, rule, f"decided at enable time for {model} ({why})",
+                    plugin="core", avoids=avoids if strength == REQUIRED else "", short=why)
     how = "asked at the call" if facts.asked_use_reentrant is not None else \
         "torch's default, use_reentrant not passed"
     return Vote(USE_REENTRANT, facts.reentrant, USER, "USER", how, plugin="core")
+
+
+def _say_evidence_won(decision: Decision, covered: tuple) -> None:
+    """The call's own evidence outranked the enable-time decision: the line and the record say
+    which evidence overrode which rule."""
+    model, rule = covered[0], covered[1]
+    winner = decision.winners[USE_REENTRANT]
+    decision.winners[USE_REENTRANT] = replace(
+        winner, short=f"evidence over {rule} at enable; {winner.short or winner.reason}",
+        reason=f"{winner.reason} (evidence at the call: it overrides {rule}, which decided use_reentrant=True for "
+               f"{model} at enable time)")
 
 
 def _report_once(outcome: _Outcome) -> None:
@@ -197,35 +231,128 @@ def _report_once(outcome: _Outcome) -> None:
         applied[USE_REENTRANT] = outcome.use_reentrant
     if outcome.inline:
         applied[RUN_INLINE] = True
+    if outcome.lift:
+        applied[LIFT_BOUND_TENSORS] = True
     site = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
     record.call_site(site, outcome.facts, outcome.decision, applied, settings.read().record_dir)
 
 
-def _modules_in(function: Any, module_type: type) -> list[Any]:
-    """The modules a checkpointed function runs: the function itself, a bound method's owner,
-    a partial's arguments (transformers 5.x: `partial(forward, layer)`), a closure's cells
-    (FSDP's reentrant wrapper, hand-written `custom_forward`s)."""
-    found: list[Any] = []
-    pending = [function]
-    for _ in range(16):  # bounded: a pathological closure must not cost more than a few reads
+@dataclass(frozen=True)
+class _Reach:
+    """What a checkpointed function holds besides its positional inputs."""
+
+    modules: tuple[Any, ...] = ()
+    bound_grad: bool = False  # a tensor that requires grad is bound (partial, closure, default argument)
+    graph_tensors: int = 0  # ... of which this many have a graph of their own (not leaves)
+    liftable: bool = False  # every such tensor is an argument of the partial itself (CK5 can pass it positionally)
+
+
+_NOTHING = _Reach()
+
+
+def _reach(function: Any, torch: Any) -> _Reach:
+    """The modules and grad-requiring tensors a checkpointed function runs with besides its
+    positional inputs: the function itself, a bound method's owner, a partial's arguments and
+    keywords (transformers: `partial(forward, layer, **kwargs)`), closure cells (FSDP's reentrant
+    wrapper, hand-written `custom_forward`s) and default arguments. Bounded: a pathological closure
+    costs a few reads, never a walk of the program."""
+    tensor, module_type = torch.Tensor, torch.nn.Module
+    modules: list[Any] = []
+    bound_grad = False
+    graph = lifted = 0
+    pending: list[tuple[Any, bool]] = [(function, False)]  # (item, an argument of the top partial)
+    for _ in range(24):
         if not pending:
             break
-        item = pending.pop()
-        if isinstance(item, module_type):
-            found.append(item)
+        item, top = pending.pop()
+        if isinstance(item, tensor):
+            if item.requires_grad:
+                bound_grad = True
+                if item.grad_fn is not None:
+                    graph += 1
+                    lifted += top
+        elif isinstance(item, module_type):
+            modules.append(item)
         elif isinstance(item, functools.partial):
-            pending.append(item.func)
-            pending.extend(item.args)
-        else:
+            first = item is function
+            pending.append((item.func, False))
+            pending.extend((a, first) for a in item.args)
+            pending.extend((v, first) for v in item.keywords.values())
+        elif isinstance(item, (tuple, list)):
+            pending.extend((v, False) for v in item[:8])
+        elif callable(item):
             owner = getattr(item, "__self__", None)
             if owner is not None:
-                pending.append(owner)
-            for cell in getattr(getattr(item, "__func__", item), "__closure__", None) or ():
+                pending.append((owner, False))
+            code = getattr(item, "__func__", item)
+            for cell in getattr(code, "__closure__", None) or ():
                 try:
-                    pending.append(cell.cell_contents)
+                    pending.append((cell.cell_contents, False))
                 except ValueError:  # an empty cell: nothing bound there yet
                     continue
-    return found
+            pending.extend((d, False) for d in getattr(code, "__defaults__", None) or ())
+            pending.extend((d, False) for d in (getattr(code, "__kwdefaults__", None) or {}).values())
+    if not (modules or bound_grad):
+        return _NOTHING
+    return _Reach(tuple(modules), bound_grad, graph, bool(graph) and lifted == graph)
+
+
+def _binds_graph_tensors(function: Any, tensor: type, module_type: type) -> bool:
+    """The hot path's question for a correct reentrant call (CK5): does a tensor with a graph reach
+    the function other than positionally? Read one level deep, building nothing: a partial's
+    arguments and keywords (and tuples among them: transformers' `position_embeddings`), or a
+    function's closure cells and default arguments (a per-call closure, `def run(h=h)`). `_reach`
+    looks deeper once a call is off the hot path."""
+    if type(function) is functools.partial:
+        return _has_graph(function.keywords.values(), tensor) or _has_graph(function.args, tensor)
+    if isinstance(function, module_type):  # its attributes are not read (nn.Module.__getattr__ is slow)
+        return False
+    code = getattr(function, "__func__", function)
+    cells = []
+    for cell in getattr(code, "__closure__", None) or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return _has_graph(cells, tensor) or _has_graph(getattr(code, "__defaults__", None) or (), tensor)
+
+
+def _has_graph(values: Any, tensor: type) -> bool:
+    for value in values:
+        if isinstance(value, tensor):
+            if value.grad_fn is not None:
+                return True
+        elif type(value) is tuple:
+            for item in value:
+                if isinstance(item, tensor) and item.grad_fn is not None:
+                    return True
+    return False
+
+
+def _lift(function: Any, args: tuple, torch: Any) -> tuple[Any, tuple]:
+    """CK5: the partial's grad-requiring tensors that have a graph become positional inputs of the
+    checkpoint, so reentrant backward returns their gradients through the caller's graph instead of
+    running that graph inside its own backward. Returns the function and the checkpoint's
+    positional arguments after it."""
+    tensor = torch.Tensor
+    params = list(function.args)
+    keywords = dict(function.keywords)
+    slots = [i for i, a in enumerate(params) if isinstance(a, tensor) and a.requires_grad and a.grad_fn is not None]
+    names = [k for k, v in keywords.items() if isinstance(v, tensor) and v.requires_grad and v.grad_fn is not None]
+    moved = tuple(params[i] for i in slots) + tuple(keywords[k] for k in names)
+    count = len(args) - 1
+    inner = function.func
+
+    def lifted(*inputs: Any) -> Any:
+        given, values = inputs[:count], inputs[count:]
+        call_params, call_keywords = list(params), dict(keywords)
+        for i, value in zip(slots, values):
+            call_params[i] = value
+        for name, value in zip(names, values[len(slots):]):
+            call_keywords[name] = value
+        return inner(*call_params, *given, **call_keywords)
+
+    return lifted, (*args[1:], *moved)
 
 
 def _any_trainable(modules: list[Any]) -> bool:

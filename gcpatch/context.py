@@ -56,6 +56,9 @@ class ModelContext:
     wrapped: dict[str, Any] = field(default_factory=dict)  # facts learnt at wrap time (DDP)
     trainer: str = ""
     last: dict[str, Any] | None = None  # the last decision's record
+    # votes from what was measured on this model's real step (verify in fix mode): they take part in
+    # every later decision for it, as evidence outranks what the enable call could infer
+    evidence: list[Any] = field(default_factory=list)
 
     @property
     def enabled(self) -> bool:

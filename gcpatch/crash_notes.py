@@ -3,8 +3,8 @@
 Each of these surfaces in a backward pass, far from its cause: a recompute that differs from
 the forward (`CheckpointError`), DDP's "mark a variable ready only once", "element 0 of tensors
 does not require grad", and a backward through a freed graph. While gcpatch is active,
-`torch.autograd.backward` (which `Tensor.backward` and reentrant checkpointing call) is wrapped
-by one plain function: when one of these is raised, an exception note (PEP 678) names the likely
+`torch.autograd.backward` (which `Tensor.backward` and reentrant checkpointing call) and
+`torch.autograd.grad` are wrapped by one plain function each: when one of these is raised, an exception note (PEP 678) names the likely
 cause, the rule that covers it, what gcpatch decided in this process and the fix; the note is
 recorded for `gcpatch explain`. The exception object, its type, message and the frames it
 was raised through are the same: it is re-raised as is (the wrapper adds its own frame).
@@ -68,7 +68,8 @@ FAMILIES = (
         "without one (frozen embeddings, inputs_embeds, adapters inside frozen layers, hidden states passed by "
         "keyword); if nothing trainable comes after the blocks the loss has no grad_fn. Also: every parameter "
         "frozen, or the forward ran under torch.no_grad()",
-        "R1 (partially frozen + reentrant -> non-reentrant), R2/X2/P1 (input-grads hook under reentrant)",
+        "CK1 (a reentrant call none of whose positional inputs requires grad -> non-reentrant), R1 (partially "
+        "frozen + reentrant -> non-reentrant), R2/X2/P1 (input-grads hook under reentrant)",
         "use_reentrant=False, or model.enable_input_require_grads() before training; check that a parameter "
         "requires grad and that the forward is not under torch.no_grad()",
     ),
@@ -76,13 +77,27 @@ FAMILIES = (
         "backward_twice",
         ("Trying to backward through the graph a second time",),
         "a graph was backpropagated twice",
-        "a tensor computed with grad in one step is used again in the next: inputs_embeds or an embedding "
-        "output computed once outside the loop, a KV cache carried across steps (use_cache under "
-        "checkpointing), a cached tensor with history; or backward() ran twice on one loss. Under reentrant "
-        "checkpointing each block's recompute backpropagates into its inputs' graph again",
-        "R6 (use_cache off under checkpointing); R1/R4 (non-reentrant)",
-        "compute tensors inside the step, or .detach() what is reused across steps; use_cache=False; "
-        "retain_graph=True only if a second backward is intended",
+        "under reentrant checkpointing, a tensor with a graph that reaches a checkpointed function other than "
+        "as a positional input (a keyword such as hidden_states=..., a closure, a default argument) is "
+        "backpropagated inside each checkpoint's own backward, once per block that uses it; also a tensor "
+        "computed with grad in one step and used again in the next (inputs_embeds or an embedding output "
+        "computed once outside the loop, a KV cache carried across steps), or backward() run twice on one loss",
+        "CK1/CK5 (a tensor bound into a reentrant checkpoint: passed positionally, or non-reentrant), "
+        "R6 (use_cache off under checkpointing), R1/R4 (non-reentrant)",
+        "use_reentrant=False, or pass the tensor to the checkpointed layer positionally (GCPATCH_MODE=fix applies "
+        "CK1/CK5); recompute per step what is reused across steps; use_cache=False; retain_graph=True only if a "
+        "second backward is intended",
+    ),
+    Family(
+        "reentrant_grad",
+        ("torch.utils.checkpoint is incompatible with .grad()",),
+        "reentrant checkpointing cannot serve torch.autograd.grad or backward(inputs=...)",
+        "reentrant checkpointing runs each block's backward as a separate backward that accumulates into .grad; "
+        "torch refuses it inside torch.autograd.grad() or backward(inputs=...). Known only at backward time: "
+        "nothing in the forward shows how the gradients will be taken",
+        "CK1 (non-reentrant where the evidence shows reentrant cannot serve)",
+        "use_reentrant=False (gradient_checkpointing_kwargs={'use_reentrant': False}), or take gradients with "
+        "loss.backward()",
     ),
 )
 
@@ -97,29 +112,41 @@ def register() -> None:
 
 
 def _install(module: Any) -> None:
-    original = module.backward
-    if getattr(original, _MARK, False) or _installed:
+    if _installed:
         return
+    for name in _ENTRIES:
+        original = getattr(module, name)
+        if getattr(original, _MARK, False):
+            continue
+        wrapper = _explaining(original)
+        setattr(module, name, wrapper)
+        _installed.append((module, name, original, wrapper))
 
+
+# The autograd entries a checkpointing failure surfaces through: backward (Tensor.backward, reentrant
+# checkpointing's own) and grad (torch.autograd.grad, which reentrant checkpointing refuses).
+_ENTRIES = ("backward", "grad")
+
+
+def _explaining(original: Any) -> Any:
     @functools.wraps(original)
-    def backward(*args: Any, **kwargs: Any) -> Any:
+    def entry(*args: Any, **kwargs: Any) -> Any:
         try:
             return original(*args, **kwargs)
         except Exception as exc:
             explain(exc)
             raise
 
-    setattr(backward, _MARK, True)
-    module.backward = backward
-    _installed.append((module, original, backward))
+    setattr(entry, _MARK, True)
+    return entry
 
 
 def uninstall() -> None:
-    """Put torch.autograd.backward back, by identity (someone who wrapped over us keeps theirs)."""
+    """Put torch.autograd's entries back, by identity (someone who wrapped over us keeps theirs)."""
     while _installed:
-        module, original, wrapper = _installed.pop()
-        if module.backward is wrapper:
-            module.backward = original
+        module, name, original, wrapper = _installed.pop()
+        if getattr(module, name) is wrapper:
+            setattr(module, name, original)
 
 
 def family_of(exc: BaseException) -> Family | None:
@@ -162,6 +189,8 @@ def decisions() -> list[str]:
     for entry in record.history():
         if entry.get("stage") in ("enable", "first_forward", "config"):
             last[entry.get("model", "?")] = entry
+        elif entry.get("stage") == "call":  # a checkpoint call site's own decision (CK1-CK5)
+            last[f"checkpoint call at {entry.get('site', '?')}"] = {**entry, "api": "checkpoint", "source": "call"}
         elif entry.get("stage") == "verify":
             verified.append(entry["line"].split(" verify ", 1)[-1])
     if not last:

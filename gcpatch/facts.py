@@ -141,11 +141,12 @@ def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
     stacks = checkpoint_stacks(model)
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
     owners = {id(owner) for _, owner, _ in stacks} | {id(layer) for _, _, layers in stacks for layer in layers}
+    embeddings = _input_embeddings(model)
     facts = []
     for name, owner, layers in stacks:
         layer_ids = {id(p) for layer in layers for p in layer.parameters()}
         trainable_inside = sum(_numel(p) for layer in layers for p in layer.parameters() if p.requires_grad)
-        upstream = _upstream_trainable(model, names.get(id(layers[0]), ""), owners, layer_ids)
+        upstream, fed = _upstream(model, names.get(id(layers[0]), ""), owners, layer_ids, embeddings)
         facts.append({
             "stack": name,
             "runner": type(owner).__name__,
@@ -154,6 +155,9 @@ def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
             "trainable_in_blocks": trainable_inside,
             "trainable_upstream": upstream,
             "inputs_can_require_grad": upstream > 0,
+            # the model's input embeddings sit upstream: an input-grads hook on their output (R2, X2, P1)
+            # makes the stack's first input require grad under reentrant
+            "fed_by_input_embeddings": fed,
             "blocks_in_eval_mode": sum(1 for layer in layers if not layer.training),
             "encoder_states_by_keyword": encoder_decoder and _encoder_states_by_keyword(owner),
         })
@@ -188,9 +192,11 @@ def _encoder_states_by_keyword(runner: Any) -> bool:
     return False
 
 
-def _upstream_trainable(model: Any, path: str, owners: set[int], skip: set[int]) -> int:
-    """Trainable parameter sizes registered before `path` at every level from the root to it."""
+def _upstream(model: Any, path: str, owners: set[int], skip: set[int], embeddings: Any) -> tuple[int, bool]:
+    """Trainable parameter sizes registered before `path` at every level from the root to it, and
+    whether the input embeddings are among those modules."""
     total = 0
+    fed = False
     module = model
     for part in path.split(".") if path else ():
         for child_name, child in module.named_children():
@@ -199,10 +205,19 @@ def _upstream_trainable(model: Any, path: str, owners: set[int], skip: set[int])
             if any(id(m) in owners for m in child.modules()):
                 continue  # a branch with its own checkpointed stack: not counted as upstream
             total += sum(_numel(p) for p in child.parameters() if p.requires_grad and id(p) not in skip)
+            fed = fed or (embeddings is not None and any(m is embeddings for m in child.modules()))
         module = getattr(module, part, None) if not part.isdigit() else module[int(part)]
         if module is None:
             break
-    return total
+    return total, fed
+
+
+def _input_embeddings(model: Any) -> Any:
+    try:
+        return model.get_input_embeddings()
+    except Exception as exc:  # noqa: BLE001 (many models do not implement it)
+        log.debug("gcpatch: R1: %s has no input embeddings (%s: %s)", type(model).__name__, type(exc).__name__, exc)
+        return None
 
 
 def checkpoint_function() -> str:
@@ -416,11 +431,7 @@ def rank() -> int:
 
 
 def _embeddings_trainable(model: Any) -> bool | None:
-    try:
-        embeddings = model.get_input_embeddings()
-    except Exception as exc:  # noqa: BLE001 (many models do not implement it)
-        log.debug("gcpatch: R1/R2: %s has no input embeddings (%s: %s)", type(model).__name__, type(exc).__name__, exc)
-        return None
+    embeddings = _input_embeddings(model)
     params = list(embeddings.parameters()) if embeddings is not None else []
     return any(p.requires_grad for p in params) if params else None
 

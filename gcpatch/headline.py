@@ -9,7 +9,8 @@ from typing import Any
 
 LIMIT = 120  # characters of the first line: one terminal row
 # R6's use_cache=False comes with every enable: it is in the record and the DEBUG line, not here.
-_KNOB_WORDS = {"input_grads_hook": "input-grads hook", "run_inline": "runs inline"}
+_KNOB_WORDS = {"input_grads_hook": "input-grads hook", "run_inline": "runs inline",
+               "lift_bound_tensors": "bound tensors passed as inputs"}
 
 
 def line(entry: dict[str, Any]) -> str:
@@ -44,6 +45,11 @@ def _parts(entry: dict[str, Any]) -> list[str]:
     parts: list[str] = []
     if "use_reentrant" in applied:
         parts.append(_reentrant(entry, applied["use_reentrant"], winners.get("use_reentrant")))
+    hook = winners.get("input_grads_hook") if isinstance(winners.get("input_grads_hook"), dict) else {}
+    if applied.get("input_grads_hook") and _kept_through_hook(entry):
+        # R1 recommended non-reentrant, the user's reentrant is kept: the hook is what makes it exact
+        parts[0] += f", exact through the input-grads hook ({hook.get('rule', 'R2')}: frozen upstream)"
+        applied = {k: v for k, v in applied.items() if k != "input_grads_hook"}
     for knob, value in applied.items():
         vote = winners.get(knob) if isinstance(winners.get(knob), dict) else {}
         rule = vote.get("rule", "?")
@@ -67,6 +73,15 @@ def _reentrant(entry: dict[str, Any], value: Any, vote: Any) -> str:
         return f"use_reentrant={value} as asked ({rule} agrees)"
     was = "unset" if asked is None else str(asked)
     return f"use_reentrant {was} -> {value} ({reason})"
+
+
+def _kept_through_hook(entry: dict[str, Any]) -> bool:
+    """The user's reentrant won over a recommendation for non-reentrant that only the hook answers (R1)."""
+    decision = entry.get("decision") or {}
+    won = (decision.get("winners") or {}).get("use_reentrant") or {}
+    return won.get("rule") == "USER" and won.get("value") is True and any(
+        v.get("knob") == "use_reentrant" and v.get("strength") == "recommended" and v.get("rule") == "R1"
+        for v in decision.get("overruled") or [])
 
 
 def _short(vote: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ from gcpatch.schema import (
     FAILURE_ORDER,
     INPUT_GRADS_HOOK,
     KNOBS,
+    LIFT_BOUND_TENSORS,
     STRENGTH_ORDER,
     USE_CACHE_OFF,
     USE_REENTRANT,
@@ -238,7 +239,8 @@ def builtin_infos() -> list[tuple[str, PluginInfo]]:
 
 
 # The knobs whose value is a switch: a string "False" there would be read as True.
-_VALUE_TYPES = {USE_REENTRANT: bool, INPUT_GRADS_HOOK: bool, USE_CACHE_OFF: bool, EVAL_MODE_FIX: bool}
+_VALUE_TYPES = {USE_REENTRANT: bool, INPUT_GRADS_HOOK: bool, USE_CACHE_OFF: bool, EVAL_MODE_FIX: bool,
+                LIFT_BOUND_TENSORS: bool}
 
 
 def _describe(value: object) -> str:

@@ -5,6 +5,7 @@ order of `import gcpatch` and `import transformers` does not matter.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import types
@@ -120,7 +121,9 @@ class _GcpatchWrapper(wrapt.FunctionWrapper):
 
 def _replace_copies(original: Any, wrapper: Any) -> list[_Binding]:
     """Point every module-level name bound to `original` at `wrapper` (P3: modules imported
-    before the patch hold their own reference), and every default argument captured from it in
+    before the patch hold their own reference), every module-level `functools.partial` of it (a
+    project's `ckpt = partial(checkpoint, use_reentrant=True)` built before `import gcpatch`) at a
+    partial of the wrapper with the same arguments, and every default argument captured from it in
     those modules' functions and classes (transformers' `_set_gradient_checkpointing(...,
     gradient_checkpointing_func=checkpoint)`). Later imports get the wrapper anyway."""
     replaced: list[_Binding] = []
@@ -128,24 +131,36 @@ def _replace_copies(original: Any, wrapper: Any) -> list[_Binding]:
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
-        names = [name for name, value in list(namespace.items()) if value is original]
+        names = [name for name, value in list(namespace.items())
+                 if value is original or (type(value) is functools.partial and value.func is original)]
         if not names:
             continue
         for name in names:
-            setattr(module, name, wrapper)
-            replaced.append(_Binding(module, name))
+            value = namespace[name]
+            if value is original:
+                setattr(module, name, wrapper)
+                replaced.append(_Binding(module, name))
+            else:
+                rebound = functools.partial(wrapper, *value.args, **value.keywords)
+                setattr(module, name, rebound)
+                replaced.append(_Binding(module, name, previous=(value, rebound)))
         replaced.extend(_replace_defaults(module, original, wrapper))
     return replaced
 
 
 class _Binding:
-    """One place that held the original: a module attribute, or a function's default argument."""
+    """One place that held the original: a module attribute (or a partial of it there), or a
+    function's default argument."""
 
-    def __init__(self, owner: Any, name: str, index: int | None = None) -> None:
-        self.owner, self.name, self.index = owner, name, index
+    def __init__(self, owner: Any, name: str, index: int | None = None, previous: tuple | None = None) -> None:
+        self.owner, self.name, self.index, self.previous = owner, name, index, previous
 
     def restore(self, original: Any, wrapper: Any) -> None:
-        if self.index is None:
+        if self.previous is not None:
+            old, rebound = self.previous
+            if vars(self.owner).get(self.name) is rebound:
+                setattr(self.owner, self.name, old)
+        elif self.index is None:
             if vars(self.owner).get(self.name) is wrapper:
                 setattr(self.owner, self.name, original)
         elif self.name == "__kwdefaults__":

@@ -16,7 +16,7 @@ from gcpatch import facts as facts_mod
 from gcpatch.context import EnableCall
 from gcpatch.errors import GcpatchError
 from gcpatch.manager import PluginFailure
-from gcpatch.schema import EVAL_MODE_FIX, USE_REENTRANT, Stage
+from gcpatch.schema import EVAL_MODE_FIX, REQUIRED, USE_REENTRANT, WRONG_GRADIENTS, Stage, Vote
 
 __all__ = ["EnableCall", "redecide", "redecide_within", "run_config", "run_disable", "run_enable"]
 
@@ -38,7 +38,8 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
         facts = facts_mod.gather(call.model, stage=Stage.ENABLE, api=call.api, source=ctx.source,
                                  asked_kwargs=ctx.asked, asked_from=ctx.asked_from, context=ctx.model.wrapped,
                                  trainer=ctx.trainer)
-        decision = resolve.resolve(resolve.stance_votes(facts) + engine.host().votes(facts), cfg.mode)
+        votes = resolve.stance_votes(facts) + engine.host().votes(facts) + ctx.model.evidence
+        decision = resolve.resolve(votes, cfg.mode)
     except GcpatchError:
         raise
     except Exception as exc:
@@ -55,15 +56,17 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
         # The framework's enable already ran with the decided kwargs: run it again as the user
         # asked, so the model is left exactly as it would be without gcpatch.
         return call.invoke(call.asked_kwargs)
-    checkpoint_call.cover(call.model)  # its layers' checkpoint calls follow this decision (CK4)
-    entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=_same_as_last(ctx, facts, decision))
+    checkpoint_call.cover(call.model, decision)  # its layers' checkpoint calls stand on this decision (CK4)
+    # verify's own correction says it in its one line (verify.py); the decision stays in the record
+    quiet = _same_as_last(ctx, facts, decision) or ctx.asker.redecided_by == "verify"
+    entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=quiet)
     ctx.commit(entry)
     if cfg.memory_budget is not None:
         from gcpatch import planner  # only with GCPATCH_MEMORY_BUDGET set: its plan runs before verify looks
 
         planner.arm(call.model, cfg.memory_budget)
     if cfg.verify:
-        verify.arm(call.model)
+        verify.arm(call.model, correct)
     return result
 
 
@@ -114,6 +117,37 @@ def redecide_within(root: Any, source: str, **wrapped: Any) -> None:
     """`redecide` for every model gcpatch decided for inside `root` (a DDP or booster wrapper)."""
     for module in context.decided_within(root):
         redecide(module, source, **wrapped)
+
+
+def correct(model: Any, report: verify.Report, attempt: int) -> str:
+    """Fix mode's answer to a verification that found wrong gradients (or a block recomputed twice)
+    on the first training forward, before the user's step runs: first non-reentrant, decided again
+    with verify's finding as a required vote (VERIFY: evidence outranks the enable-time guess);
+    then, as the last resort, checkpointing off for the offending blocks. Returns what changed."""
+    known = context.known(model)
+    if known is None or not known.enabled:
+        return ""
+    if attempt == 1:
+        if not (_decided_reentrant(known) and report.wrong):
+            return ""
+        known.evidence = [Vote(USE_REENTRANT, False, REQUIRED, "VERIFY",
+                               f"the first training step, verified: {'; '.join(report.problems())}",
+                               plugin="core", avoids=WRONG_GRADIENTS, short="verify found wrong gradients")]
+        redecide(model, "verify")
+        return "" if _decided_reentrant(known) else "use_reentrant True -> False"
+    layers = [m for m in facts_mod.checkpoint_layers(model) if getattr(m, "gradient_checkpointing", False) is True]
+    names = {id(m): n for n, m in model.named_modules()}
+    twice = {name for name, runs in report.blocks.items() if runs["backward"] > 1}
+    offending = [m for m in layers if names.get(id(m)) in twice
+                 or any(w.startswith(f"{names.get(id(m))}.") for w in report.wrong)] or layers
+    for layer in offending:
+        layer.gradient_checkpointing = False
+    shown = ", ".join(names.get(id(m), "?") for m in offending[:4]) + (" ..." if len(offending) > 4 else "")
+    return f"checkpointing off for {len(offending)} of {len(layers)} checkpointed blocks ({shown})"
+
+
+def _decided_reentrant(known: context.ModelContext) -> bool:
+    return bool(((known.last or {}).get("applied") or {}).get(USE_REENTRANT))
 
 
 def run_first_forward(model: Any) -> None:

@@ -61,6 +61,7 @@ class Knob(_Word):
     USE_CACHE_OFF = "use_cache_off"
     EVAL_MODE_FIX = "eval_mode_fix"
     RUN_INLINE = "run_inline"  # a checkpoint call nested in another runs its function directly (CK2)
+    LIFT_BOUND_TENSORS = "lift_bound_tensors"  # a partial's bound graph tensors become checkpoint inputs (CK5)
 
 
 REQUIRED, USER, RECOMMENDED, DEFAULT = Strength.REQUIRED, Strength.USER, Strength.RECOMMENDED, Strength.DEFAULT
@@ -68,7 +69,7 @@ STRENGTH_ORDER = {REQUIRED: 3, USER: 2, RECOMMENDED: 1, DEFAULT: 0}
 WRONG_GRADIENTS, CRASH, NO_MEMORY_SAVED = Failure.WRONG_GRADIENTS, Failure.CRASH, Failure.NO_MEMORY_SAVED
 FAILURE_ORDER = {WRONG_GRADIENTS: 3, CRASH: 2, NO_MEMORY_SAVED: 1, "": 0}
 USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF = Knob.USE_REENTRANT, Knob.INPUT_GRADS_HOOK, Knob.USE_CACHE_OFF
-EVAL_MODE_FIX, RUN_INLINE = Knob.EVAL_MODE_FIX, Knob.RUN_INLINE
+EVAL_MODE_FIX, RUN_INLINE, LIFT_BOUND_TENSORS = Knob.EVAL_MODE_FIX, Knob.RUN_INLINE, Knob.LIFT_BOUND_TENSORS
 KNOBS = tuple(Knob)
 
 # Framework facts one plugin publishes (gcpatch_facts) for other plugins' rules to read.
@@ -195,9 +196,17 @@ class CallFacts:
     asked_use_reentrant: bool | None  # None: not passed, torch's default (reentrant on torch 2.x)
     grad_enabled: bool
     inputs_require_grad: bool  # a positional tensor input requires grad (what reentrant looks at)
-    trainable_inside: bool | None  # the function holds trainable parameters (None: cannot be known)
+    # the function holds trainable parameters or grad-requiring tensors (modules, bound methods, a
+    # partial's arguments, closures, default arguments); None: cannot be known
+    trainable_inside: bool | None
     context_fn: bool  # selective checkpointing or another context_fn was given
     nested: bool  # called while another checkpoint's function runs (its forward or recompute)
+    # grad-requiring tensors with a graph of their own that reach the function other than as its
+    # positional inputs; `liftable`: all of them are arguments of the partial itself (CK5)
+    bound_graph_tensors: int = 0
+    bound_graph_liftable: bool = False
+    # the rule of the enable-time decision covering the call's module ("": none covers it; CK4)
+    enable_decision: str = ""
     torch_version: str = ""
     stage: str = "call"
 

@@ -150,11 +150,19 @@ class Report:
         return data
 
 
-def arm(model: Any) -> None:
+# Fix mode's answer to a failed verification: (model, report, attempt) -> what it changed, or "" when
+# it changed nothing. Attempt 1 switches to non-reentrant, attempt 2 switches checkpointing off for
+# the offending blocks (gcpatch.pipeline.correct).
+Correct = Callable[[Any, "Report", int], str]
+ATTEMPTS = 2
+
+
+def arm(model: Any, correct: Correct | None = None) -> None:
     """Verify `model` at its first grad-enabled forward (once per model; arming again keeps this
     hook after gcpatch's own first-forward hook, so R5 is applied before verify looks). Its base
     model is armed too: some wrappers enter the model's `forward` without a module call (peft <
-    0.18's `BaseTuner.forward` calls `self.model.forward`), and then only the base model's hooks run."""
+    0.18's `BaseTuner.forward` calls `self.model.forward`), and then only the base model's hooks run.
+    In fix mode a failed verification is handed to `correct` before the user's first step runs."""
     try:
         if model in _done:
             return
@@ -165,7 +173,7 @@ def arm(model: Any) -> None:
         def _first_forward(module: Any, args: tuple, kwargs: dict) -> None:
             target = outer()
             if target is not None:
-                _on_first_forward(target, module, args, kwargs)
+                _on_first_forward(target, module, args, kwargs, correct)
 
         handles = [model.register_forward_pre_hook(_first_forward, with_kwargs=True)]
         base = getattr(model, "base_model", None)
@@ -176,7 +184,7 @@ def arm(model: Any) -> None:
         log.error("gcpatch: verify not armed for %s (%s: %s)", type(model).__name__, type(exc).__name__, exc)
 
 
-def _on_first_forward(model: Any, module: Any, args: tuple, kwargs: dict) -> None:
+def _on_first_forward(model: Any, module: Any, args: tuple, kwargs: dict, correct: Correct | None = None) -> None:
     torch = sys.modules["torch"]
     if _checking or not torch.is_grad_enabled():
         return
@@ -184,14 +192,51 @@ def _on_first_forward(model: Any, module: Any, args: tuple, kwargs: dict) -> Non
         handle.remove()
     _done.add(model)
     cfg = settings.read()
+    report = _checked(model, module, args, kwargs)
+    _report(report, cfg)
+    attempt = 0
+    while correct is not None and cfg.mode == "fix" and _needs_correction(report) and attempt < ATTEMPTS:
+        attempt += 1
+        try:
+            changed = correct(model, report, attempt)
+        except Exception as exc:  # noqa: BLE001 (fail open: the step runs as decided)
+            log.error("gcpatch: verify could not correct %s (%s: %s); the step runs as decided",
+                      type(model).__name__, type(exc).__name__, exc)
+            return
+        if not changed:
+            continue
+        before, report = report, _checked(model, module, args, kwargs)
+        _report_correction(before, report, changed, cfg)
+
+
+def _checked(model: Any, module: Any, args: tuple, kwargs: dict) -> Report:
     try:
         report = check(module, args, kwargs)
         if module is not model:
             report.model = (f"{type(model).__name__} (checked on its base model {type(module).__name__}: "
                             f"{type(model).__name__}.forward was entered without a module call)")
+    except GcpatchError:
+        raise  # strict mode stopped the job at a rule (a call-site rule inside the checked pass): as asked
     except Exception as exc:  # noqa: BLE001 (fail open)
         report = Report(model=type(model).__name__, skipped=f"verify failed: {type(exc).__name__}: {exc}")
-    _report(report, cfg)
+    return report
+
+
+def _needs_correction(report: Report) -> bool:
+    """Wrong gradients or a block recomputed twice: what fix mode corrects before the first step."""
+    return not report.skipped and (bool(report.wrong) or any(r["backward"] > 1 for r in report.blocks.values()))
+
+
+def _report_correction(before: Report, after: Report, changed: str, cfg: settings.Settings) -> None:
+    """One line: what fix mode changed before the user's first step, why, and the second verification."""
+    why = (f"{len(before.wrong)} of {before.tensors} gradients differed from no checkpointing" if before.wrong
+           else "blocks were recomputed more than once")
+    line = (f"gcpatch: rank {rank()} verify {before.model}: changed before the first step: {changed} (VERIFY: {why}); "
+            f"verified again: {after.line().split(': ', 1)[-1]}")
+    log.log(logging.WARNING if _needs_correction(after) or after.skipped else logging.INFO, "%s", line)
+    record.event({"stage": "verify", "model": after.model, "line": line, "corrected": changed,
+                  "details": after.problems(full=True), "verify_before": before.to_dict(),
+                  "verify": after.to_dict()}, cfg.record_dir)
 
 
 def _report(report: Report, cfg: settings.Settings) -> None:

@@ -23,7 +23,7 @@ from harness import run as harness_run  # noqa: E402
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # A decision's short line on the console (gcpatch/headline.py)
 DECISION_LINE = re.compile(r"gcpatch: (checkpoint call at \S+|[\w.-]+( \([\w.-]+\))?): "
-                           r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|left as asked)")
+                           r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|bound tensors|left as asked)")
 BLUNT = Path(__file__).resolve().parent / "blunt"  # sitecustomize.py: the force-non-reentrant patch
 TIMEOUT_S = 300
 # torch 2.13's gloo may abort a rank as the interpreter exits when the job never destroyed its process
@@ -180,8 +180,10 @@ def run_script(spec: Spec, workdir: Path) -> Run:
     workdir.mkdir(parents=True, exist_ok=True)
     record_dir = workdir / "gcpatch-record"
     argv, launch_env = command(spec)
-    env = child_env(GCPATCH="1" if spec.gcpatch else "0", GCPATCH_RECORD=str(record_dir), **launch_env,
-                    **dict(spec.env))
+    env = child_env(GCPATCH_RECORD=str(record_dir), **launch_env,
+                    **{"GCPATCH": "1" if spec.gcpatch else "0", **dict(spec.env)})
+    if env.get("GCPATCH") == "unset":  # a script that switches gcpatch on by an explicit `import gcpatch`
+        del env["GCPATCH"]
     if spec.blunt:
         env["PYTHONPATH"] = str(BLUNT)
     start = time.monotonic()

@@ -14,9 +14,10 @@ SCRIPT = "crash_families.py"
 CASES = {
     "recompute": ("fix", "torch.utils.checkpoint.CheckpointError", "A different number of tensors was saved",
                   "R5", "applied use_reentrant=False"),
-    # warn mode keeps the user's use_reentrant=True over R1: the set-up crashes as it would without gcpatch
+    # warn mode keeps the user's use_reentrant=True over CK1 (the hidden states reach the checkpoint by keyword):
+    # the set-up crashes as it would without gcpatch
     "no_grad": ("warn", "builtins.RuntimeError", "element 0 of tensors does not require grad",
-                "R1", "warn mode keeps the user's value"),
+                "CK1", "warn mode keeps the user's value"),
     "twice": ("fix", "builtins.RuntimeError", "Trying to backward through the graph a second time",
               "R6", "applied use_reentrant=False"),
 }

@@ -11,17 +11,20 @@ SCRIPT = "custom_checkpointer.py"
 RUNS = [Spec(SCRIPT)]
 
 
-def test_custom_checkpoint_function_is_a_fact_and_r1_says_what_breaks(script_runs):
+def test_custom_checkpoint_function_is_a_fact_and_r1_says_what_it_needs(script_runs):
     run = script_runs.get(SCRIPT, gcpatch=True)
     assert_installed_gcpatch_ran(run)
     rec = enable_records(run)[-1]
     assert rec["facts"]["checkpoint_function"] == "__main__.offload_checkpoint", rec["facts"]
-    reason = rec["decision"]["winners"]["use_reentrant"]["reason"]
-    assert rec["decision"]["winners"]["use_reentrant"]["rule"] == "R1"
-    assert "__main__.offload_checkpoint" in reason and "enable_input_require_grads" in reason, reason
-    # gcpatch asked the function for non-reentrant (R1) and, the function not being torch's, put the
-    # input-grads hook in place: the reentrant-only function's layers get exact gradients
-    assert run.result["asked_custom"] == ["False"], run.result
+    # the user's reentrant is kept (the input-grads hook serves the stack the embeddings feed); R1's
+    # recommendation, recorded as overruled, says what the custom function would break without the hook
+    assert rec["decision"]["winners"]["use_reentrant"]["rule"] == "USER"
+    [r1] = [v for v in rec["decision"]["overruled"] if v["rule"] == "R1"]
+    assert r1["strength"] == "recommended"
+    assert "__main__.offload_checkpoint" in r1["reason"] and "enable_input_require_grads" in r1["reason"], r1
+    # the function not being torch's, the input-grads hook is in place whatever it runs: the
+    # reentrant-only function's layers get exact gradients
+    assert run.result["asked_custom"] == ["True"], run.result
     assert rec["applied"].get("input_grads_hook") is True, rec["applied"]
     assert run.result["wrong"] == 0, run.result
 

@@ -1,9 +1,14 @@
-"""Scenario a (R1): a partially frozen Llama checkpointed with use_reentrant=True.
+"""Scenario a (R1, R2): a partially frozen Llama (embeddings and layer 0 frozen) checkpointed with
+use_reentrant=True.
 
 Plain transformers gives the trainable layer behind the frozen ones no gradient (reentrant
 checkpoint of a block whose inputs need no grad): on 4.57 for input_ids and inputs_embeds, on
 5.x only for inputs_embeds (5.x hooks the embedding output for input_ids models, X2).
-gcpatch's R1 switches to non-reentrant and every gradient matches the reference.
+gcpatch keeps the user's reentrant, which is correct once the input-grads hook gives the first
+checkpointed input a gradient (R2, on the embedding output and on inputs_embeds): R1 only
+recommends non-reentrant here, so fix mode leaves the choice, strict mode does not raise, and every
+gradient matches the reference in every mode. Where no hook can serve, R1 still requires
+non-reentrant (test_custom_checkpointer.py, test_families.py's Whisper).
 """
 from __future__ import annotations
 
@@ -30,7 +35,9 @@ VARIANTS = [
                  marks=pytest.mark.skipif(not HAS_AC, reason=NO_AC)),
 ]
 RUNS = [Spec(SCRIPT, ("--api", api, "--input", inp))
-        for api in (("gc", "ac") if HAS_AC else ("gc",)) for inp in ("ids", "embeds")]
+        for api in (("gc", "ac") if HAS_AC else ("gc",)) for inp in ("ids", "embeds")] + \
+       [Spec(SCRIPT, ("--api", "gc", "--input", inp), env=(("GCPATCH_MODE", mode),))
+        for inp in ("ids", "embeds") for mode in ("warn", "strict")]
 
 
 def plain_lost(api: str, inp: str) -> int:
@@ -49,7 +56,17 @@ def test_frozen_layers_get_exact_gradients_under_reentrant(script_runs, api, inp
     assert r["wrong"] == 0, r["wrong_names"]
     assert r["grad_none"] == 0
     assert r["loss_equal"]
-    assert r["applied_use_reentrant"] is False
+    assert r["applied_use_reentrant"] is True  # the user's choice, made exact by the input-grads hook
+
+
+@pytest.mark.parametrize("inp", ["ids", "embeds"])
+@pytest.mark.parametrize("mode", ["warn", "strict"])
+def test_warn_and_strict_mode_keep_the_correct_choice_without_a_warning_or_an_error(script_runs, inp, mode):
+    run = script_runs.get(SCRIPT, "--api", "gc", "--input", inp, gcpatch=True, env={"GCPATCH_MODE": mode})
+    r = run.result
+    assert (r["wrong"], r["grad_none"], r["applied_use_reentrant"]) == (0, 0, True), run.describe()
+    [rec] = enable_records(run)
+    assert rec["decision"]["warnings"] == [] and "GcpatchError" not in run.stderr
 
 
 @pytest.mark.parametrize("api, inp", VARIANTS)
@@ -66,7 +83,7 @@ def test_plain_run_loses_frozen_layer_gradients_where_transformers_does(script_r
 
 
 @pytest.mark.parametrize("api, inp", VARIANTS)
-def test_r1_decision_is_logged_recorded_and_explained(script_runs, api, inp):
+def test_kept_choice_is_logged_recorded_and_explained(script_runs, api, inp):
     run = script_runs.get(SCRIPT, "--api", api, "--input", inp, gcpatch=True)
     records = enable_records(run)
     assert len(records) == 1, records
@@ -77,15 +94,17 @@ def test_r1_decision_is_logged_recorded_and_explained(script_runs, api, inp):
     assert rec["asked"]["use_reentrant"] is True
     # 5.x: both names reach _activation_checkpointing_enable, which is what gcpatch wraps (X1)
     assert ("activation_checkpointing_kwargs" if api == "ac" else "gradient_checkpointing_kwargs") in rec["asked"]["from"]
-    assert rec["applied"]["use_reentrant"] is False
-    assert "R1" in rec["rules"]
-    assert rec["why"]["use_reentrant"].startswith("R1:")
-    assert rec["decision"]["winners"]["use_reentrant"]["rule"] == "R1"
-    assert any(v["rule"] == "USER" and v["value"] is True for v in rec["decision"]["overruled"])
-    assert any("R1" in w for w in rec["decision"]["warnings"])
+    assert rec["applied"]["use_reentrant"] is True and rec["applied"]["input_grads_hook"] is True
+    assert rec["rules"][:2] == ["USER", "R2"]
+    assert rec["decision"]["winners"]["use_reentrant"]["rule"] == "USER"
+    # R1's recommendation is recorded as overruled by the user's correct choice, and nobody is warned
+    assert any(v["rule"] == "R1" and v["strength"] == "recommended" for v in rec["decision"]["overruled"])
+    assert rec["decision"]["warnings"] == []
     assert rec["facts"]["partially_frozen"] is True
+    assert [s["fed_by_input_embeddings"] for s in rec["facts"]["stacks"]] == [True]
     assert rec["applied"]["use_cache_off"] == "use_cache True -> False"  # R6
     assert run.result["use_cache"] is False
     lines = run.gcpatch_lines()
-    assert len(lines) == 1 and "use_reentrant True -> False (R1: " in lines[0] and len(lines[0]) <= 120, run.stderr
-    assert_explained(run, "R1", "use_reentrant=False")
+    assert lines == [f"gcpatch: LlamaForCausalLM: use_reentrant=True as asked, exact through the input-grads hook "
+                     "(R2: frozen upstream)"], run.stderr
+    assert_explained(run, "R2", "use_reentrant=True")

@@ -2,9 +2,10 @@
 enabled before `accelerator.prepare` as the Trainer does (integration/scripts/fsdp_frozen.py).
 
 - A partially frozen model (embeddings and layer 0 frozen, inputs_embeds), reentrant asked: plain,
-  layer 1 gets no gradient on either rank; with gcpatch R1 applies, the decision is taken again
-  when `fully_shard` wraps the model (F1, `fsdp: fsdp2` in the record) and every trainable tensor's
-  full gradient equals the no-checkpointing, unsharded run's.
+  layer 1 gets no gradient on either rank; with gcpatch the user's reentrant is kept with R2's
+  input-grads hook on inputs_embeds, the decision is taken again when `fully_shard` wraps the model
+  (F1, `fsdp: fsdp2` in the record) and every trainable tensor's full gradient equals the
+  no-checkpointing, unsharded run's.
 - FSDP's own activation checkpointing (accelerate's `activation_checkpointing`, checkpoint_wrapper)
   on top is a fact in the record and the gradients stay exact.
 - With the checkpoint inside the FSDP unit (GradientCheckpointingLayer, this file's 5.x stack) and
@@ -52,13 +53,13 @@ def test_partially_frozen_under_accelerate_fsdp_gets_exact_gradients(script_runs
     for r in run.results:
         assert r["error"] is None, r["error"]
         assert r["trainable"] == 11 and r["wrong"] == 0, r["wrong_names"]
-        assert r["applied_use_reentrant"] is False
+        assert r["applied_use_reentrant"] is True  # the user's, exact through R2's hook
     for rank in (0, 1):
         records = [rec for rec in run.records() if rec.get("stage") == "enable" and rec.get("rank") == rank]
         assert records[0]["facts"]["fsdp"] == ""  # enabled before accelerate wraps the model
         last = records[-1]
         assert "F1" in last["source"], last["source"]
-        assert "fsdp2" in last["facts"]["fsdp"] and winner(last) == "R1"
+        assert "fsdp2" in last["facts"]["fsdp"] and winner(last) == "USER" and "R2" in last["rules"]
         if "--fsdp-ac" in args:
             assert any(rec["facts"]["fsdp_checkpointing"].startswith("checkpoint_wrapper: 2 modules")
                        for rec in records), [rec["facts"]["fsdp_checkpointing"] for rec in records]

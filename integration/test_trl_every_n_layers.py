@@ -1,6 +1,7 @@
 """`every_n_layers` through TRL's SFTConfig.gradient_checkpointing_kwargs (transformers 5.17+ pops it
-in the Trainer's enable call) survives gcpatch's re-call: a 4-layer Llama with frozen embeddings,
-use_reentrant=True asked, so R1 changes the ask and gcpatch calls the framework again. The layers
+in the Trainer's enable call) survives gcpatch's decision: a 4-layer Llama with frozen embeddings,
+use_reentrant=True asked, which gcpatch keeps (R2's input-grads hook makes it exact) and hands to the
+framework's enable with the user's other arguments. The layers
 gcpatch leaves checkpointed are the user's every 2nd (0 and 2, not all 4), and the first step's
 gradients equal the same SFTTrainer's without checkpointing.
 """
@@ -28,10 +29,10 @@ def test_trl_every_n_layers_survives_gcpatch_with_exact_gradients(script_runs):
     assert_installed_gcpatch_ran(run)
     r = run.result
     assert r["checkpointed_layers"] == EVERY_OTHER, r
-    assert r["use_reentrant"] is False  # R1 over the asked True: the framework was called again
+    assert r["use_reentrant"] is True  # the asked True, kept: exact through R2's hook
     assert r["trainable"] == 38 and r["wrong"] == 0, r["wrong_names"]
     last = final_enable_record(run)
-    assert last["facts"]["trainer"] == "trl.trainer.sft_trainer.SFTTrainer" and winner(last) == "R1"
+    assert last["facts"]["trainer"] == "trl.trainer.sft_trainer.SFTTrainer" and winner(last) == "USER"
     assert last["applied"]["checkpointed_stacks"] == {"model.layers": "2 of 4 LlamaDecoderLayer"}
 
 

@@ -1,5 +1,6 @@
 """Verify mode (GCPATCH_VERIFY=1) on unchanged user scripts: a plain training loop over the
-set-ups gcpatch fixes (match), one it does not fix (the mismatching parameters named), a model
+set-ups gcpatch fixes (match; hidden states passed by keyword among them, fixed at the call by CK1),
+one it is told not to fix (warn mode: the mismatching parameters named), a model
 left in eval mode without gcpatch's fix (warn mode: ~0% saved), and the user's own step
 bit-identical to the same run without verify (first-step gradients, parameters and optimizer
 state after training, the RNG streams afterwards)."""
@@ -11,13 +12,18 @@ from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plai
 from _run import Spec
 
 SCRIPT = "verify_train.py"
-FIXED = ("frozen", "eval", "lora", "qlora")
-SETUPS = FIXED + ("kwargs",)
+FIXED = ("frozen", "eval", "lora", "qlora", "kwargs")
+SETUPS = FIXED
 VERIFY = {"GCPATCH_VERIFY": "1"}
+# what no rule may fix: warn mode keeps the call as made; with the torch plugin blocked no call-site
+# rule sees it, and strict mode leaves it to verify
+WARN = {"GCPATCH_MODE": "warn", **VERIFY}
+STRICT_UNSEEN = {"GCPATCH_MODE": "strict", "GCPATCH_DISABLE_PLUGINS": "torch", **VERIFY}
 RUNS = ([Spec(SCRIPT, ("--setup", s), env=tuple(VERIFY.items())) for s in SETUPS]
         + [Spec(SCRIPT, ("--setup", s)) for s in SETUPS]
-        + [Spec(SCRIPT, ("--setup", "eval"), env=(("GCPATCH_MODE", "warn"), ("GCPATCH_VERIFY", "1"))),
-           Spec(SCRIPT, ("--setup", "kwargs"), env=(("GCPATCH_MODE", "strict"), ("GCPATCH_VERIFY", "1")))])
+        + [Spec(SCRIPT, ("--setup", "eval"), env=tuple(sorted(WARN.items()))),
+           Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(WARN.items()))),
+           Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(STRICT_UNSEEN.items())))])
 
 
 def verify_lines(run) -> list[str]:
@@ -53,14 +59,15 @@ def test_verify_reports_match_on_setups_gcpatch_fixes(script_runs, setup):
     assert_explained(run, "verify", "gradients match")
 
 
-def test_verify_names_the_parameters_of_a_setup_gcpatch_does_not_fix(script_runs):
-    """A custom model family passing hidden states by keyword + use_reentrant=True: no rule
-    covers it, the user's own step loses 13 gradients, with or without gcpatch."""
+def test_verify_names_the_parameters_of_a_setup_gcpatch_is_told_not_to_fix(script_runs):
+    """A custom model family passing hidden states by keyword + use_reentrant=True, in warn mode: the
+    call is left as made (CK1 only warns), the user's own step loses 13 gradients, with or without
+    gcpatch, and verify names them."""
     plain = script_runs.get(SCRIPT, "--setup", "kwargs", gcpatch=False)
     assert_plain(plain)
     lost = plain.result["first_step_grad_none"]
     assert len(lost) == 13 and "embed.weight" in lost, lost  # the plain run is wrong too
-    run = script_runs.get(SCRIPT, "--setup", "kwargs", gcpatch=True, env=VERIFY)
+    run = script_runs.get(SCRIPT, "--setup", "kwargs", gcpatch=True, env=WARN)
     assert run.result["first_step_grad_none"] == lost  # gcpatch left it alone
     assert run.result["applied_use_reentrant"] is True
     rep = verify_record(run)
@@ -76,7 +83,7 @@ def test_verify_names_the_parameters_of_a_setup_gcpatch_does_not_fix(script_runs
 
 
 def test_verify_in_strict_mode_raises_naming_the_parameters(script_runs):
-    spec = Spec(SCRIPT, ("--setup", "kwargs"), env=(("GCPATCH_MODE", "strict"), ("GCPATCH_VERIFY", "1")))
+    spec = Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(STRICT_UNSEEN.items())))
     run = script_runs.submit(spec).result()
     assert run.returncode != 0 and not run.result, run.describe()
     assert "GcpatchError: [VERIFY]" in run.stderr, run.stderr[-3000:]

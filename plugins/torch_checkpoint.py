@@ -3,8 +3,9 @@ meets (hand-written models, FSDP's `checkpoint_wrapper`, libraries calling torch
 
 Patched under every name it is bound to when gcpatch starts (`from torch.utils.checkpoint import
 checkpoint` copies, such as FSDP's `torch_utils_checkpoint` and transformers' `checkpoint`) and in
-the default arguments captured from it. Calls an enable-time decision covers follow it (CK4); the
-others are decided by the rules below, from the call's own arguments.
+the default arguments captured from it. Calls an enable-time decision covers stand on it (CK4); the
+others are decided by the rules below, from the call's own arguments, and the call's own evidence
+(CK1, CK5) outranks the enable-time decision where the two disagree.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gcpatch import checkpoint_call
 from gcpatch.hookspecs import hookimpl
 from gcpatch.schema import (
     CRASH,
+    LIFT_BOUND_TENSORS,
     REQUIRED,
     RUN_INLINE,
     USE_REENTRANT,
@@ -24,10 +26,14 @@ from gcpatch.schema import (
 )
 
 RULES = (
-    Rule("CK1", "a reentrant checkpoint call (asked or torch's default) with grad enabled, no tensor input that "
-         "requires grad and trainable parameters inside (or none knowable) -> non-reentrant: reentrant would give "
-         "those parameters no gradient", "torch/utils/checkpoint.py (docs: 'At least one input and output must have "
-         "requires_grad=True for the reentrant variant'), transformers#21381"),
+    Rule("CK1", "a reentrant checkpoint call (asked, torch's default, or decided at enable time) with grad enabled, "
+         "no positional tensor input that requires grad, and trainable parameters or grad-requiring tensors reachable "
+         "inside (modules, bound methods, a partial's arguments and keywords, closures, default arguments; or none "
+         "knowable) -> non-reentrant: reentrant would give them no gradient. The call's own facts are evidence: they "
+         "outrank an enable-time decision that covers the call (CK4)",
+         "torch/utils/checkpoint.py (docs: 'At least one input and output must have requires_grad=True for the "
+         "reentrant variant'), transformers/modeling_layers.py (GradientCheckpointingLayer docstring: inputs that "
+         "require gradients must be passed positionally), transformers#21381"),
     Rule("CK2", "a checkpoint call made while another checkpoint's function runs (FSDP's checkpoint_wrapper around "
          "layers that checkpoint themselves) -> its function runs directly: the outer checkpoint already frees and "
          "recomputes it, the inner one would recompute it a second time",
@@ -35,9 +41,19 @@ RULES = (
     Rule("CK3", "context_fn (selective checkpointing) on a reentrant call -> non-reentrant, the only variant that "
          "takes it; a context_fn call is never made reentrant", "torch/utils/checkpoint.py (checkpoint: 'Passing "
          "`context_fn` or `debug` is only supported when use_reentrant=False')"),
-    Rule("CK4", "a call from a module whose checkpointing gcpatch decided at enable time follows that decision "
-         "and is not decided again (R1-R6, P1, R3, R4 stand, including R3's reentrant under ZeRO-3)",
-         "gcpatch/checkpoint_call.py", documents=True),
+    Rule("CK4", "a call from a module whose checkpointing gcpatch decided at enable time stands on that decision "
+         "(R1-R6, P1, R3, R4, a user's ask, with their strength); only the call's own evidence (CK1, CK5) outranks "
+         "it, and the record and the line say which evidence overrode which rule", "gcpatch/checkpoint_call.py",
+         documents=True),
+    Rule("CK5", "a reentrant call whose positional input requires grad, but whose function also reaches a "
+         "grad-requiring tensor with a graph of its own by another way (a keyword, a closure, a default argument) -> "
+         "that tensor is passed to the checkpoint as a positional input where it is an argument of the partial "
+         "(reentrant kept, the user's choice), else non-reentrant: reentrant backward runs that tensor's graph inside "
+         "its own backward, which crashes ('Trying to backward through the graph a second time') when another "
+         "checkpoint or the rest of the model uses it too. A tensor without a graph (a leaf) is left as it is: "
+         "reentrant backward reaches it exactly (transformers' Mllama cross-attention states passed by keyword)",
+         "torch/utils/checkpoint.py (CheckpointFunction.backward: torch.autograd.backward(outputs, args)), "
+         "transformers/models/mllama/modeling_mllama.py (cross_attention_states=...)"),
 )
 
 INFO = PluginInfo(name="torch", framework="torch", versions=">=2.0,<3", rules=RULES, proven="==2.13.*")
@@ -66,8 +82,20 @@ def gcpatch_call_vote(facts: CallFacts) -> list[Vote]:
                           "only (reentrant raises ValueError)", avoids=CRASH,
                           short="context_fn needs non-reentrant"))
     if facts.reentrant and facts.grad_enabled and not facts.inputs_require_grad and facts.trainable_inside is not False:
-        inside = "trainable parameters inside" if facts.trainable_inside else "parameters inside cannot be known"
-        votes.append(Vote(USE_REENTRANT, False, REQUIRED, "CK1", f"no tensor input requires grad and {inside}: "
-                          "reentrant would give them no gradient", avoids=WRONG_GRADIENTS,
+        inside = "trainable parameters or grad-requiring tensors inside" if facts.trainable_inside else \
+            "what it uses inside cannot be known"
+        votes.append(Vote(USE_REENTRANT, False, REQUIRED, "CK1", f"no positional tensor input requires grad and "
+                          f"{inside}: reentrant would give them no gradient", avoids=WRONG_GRADIENTS,
                           short="no input requires grad: parameters inside would get none"))
+    if facts.reentrant and facts.grad_enabled and facts.inputs_require_grad and facts.bound_graph_tensors:
+        if facts.bound_graph_liftable:
+            votes.append(Vote(LIFT_BOUND_TENSORS, True, REQUIRED, "CK5", f"{facts.bound_graph_tensors} grad-requiring "
+                              "tensor(s) with a graph are bound into the function: passed as positional inputs, so "
+                              "reentrant backward returns their gradients instead of running their graph again",
+                              avoids=CRASH, short="bound graph tensors become inputs, reentrant kept"))
+        else:
+            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "CK5", f"{facts.bound_graph_tensors} grad-requiring "
+                              "tensor(s) with a graph reach the function through a closure or default argument: "
+                              "reentrant backward would run their graph inside its own, which crashes when anything "
+                              "else uses them", avoids=CRASH, short="a bound tensor's graph would be run twice"))
     return votes

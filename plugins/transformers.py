@@ -26,6 +26,7 @@ from gcpatch.schema import (
     EVAL_MODE_FIX,
     INPUT_GRADS_HOOK,
     NO_MEMORY_SAVED,
+    RECOMMENDED,
     REQUIRED,
     USE_CACHE_OFF,
     USE_REENTRANT,
@@ -57,8 +58,11 @@ RULES = (
          "itself; gcpatch leaves that error as it is",
          "transformers/trainer.py (5.23.0: create_accelerator_and_postprocess)", documents=True),
     Rule("R1", "partially frozen model + reentrant -> non-reentrant: reentrant blocks whose inputs need no "
-         "grad give their weights no gradients; under ZeRO-3 only where the deepspeed plugin publishes that "
-         "non-reentrant recompute of partitioned frozen parameters works (its R3 gate)",
+         "grad give their weights no gradients. Required where no input-grads hook can serve the stack (nothing "
+         "trainable upstream and the input embeddings do not feed it, or the encoder's output comes by keyword); "
+         "a recommendation where the input embeddings feed it, as R2's hook then makes reentrant exact and a "
+         "user's reentrant is kept. Under ZeRO-3 only where the deepspeed plugin publishes that non-reentrant "
+         "recompute of partitioned frozen parameters works (its R3 gate)",
          "transformers#21381, Axolotl A1, DeepSpeed #8148"),
     Rule("R2", "reentrant kept and a checkpointed layer trains -> input-grads hook on the embedding output "
          "and on inputs_embeds", "torch.utils.checkpoint docs, X2, peft#137"),
@@ -110,12 +114,17 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                           short="partly frozen: layers would get no gradients"))
     if facts.stage == "enable":
         starved = _stacks_without_input_grads(facts)
+        hooked = _stacks_without_input_grads(facts, served_by_hook=True) if not starved else ""
+        custom = "" if not facts.checkpoint_function else (
+            f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may run reentrant whatever "
+            "it is asked (offloading checkpointers): gcpatch also puts the input-grads hook (R2) in place; without "
+            "it, those blocks' weights get no gradients (by hand: enable_input_require_grads)")
+        if hooked and not _zero3_needs_reentrant(facts):
+            votes.append(Vote(USE_REENTRANT, False, RECOMMENDED, "R1", hooked + "; under reentrant the input-grads hook "
+                              "on the input embeddings' output (R2) gives them one, so an explicit reentrant is "
+                              "kept; non-reentrant needs no hook" + custom, short=_starved_short(facts, hooked=True)))
         if starved and not _zero3_needs_reentrant(facts):
-            if facts.checkpoint_function:
-                starved += (f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may run "
-                            "reentrant whatever it is asked (offloading checkpointers): gcpatch also puts the "
-                            "input-grads hook (R2) in place; without it, those blocks' weights get no gradients "
-                            "(by hand: enable_input_require_grads)")
+            starved += custom
             votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", starved, avoids=WRONG_GRADIENTS,
                               short=_starved_short(facts)))
         if facts.trainable_in_checkpointed_layers:
@@ -139,13 +148,15 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     return votes
 
 
-def _starved_short(facts: Facts) -> str:
+def _starved_short(facts: Facts, hooked: bool = False) -> str:
     """R1's reason in a few words, for the one-line log."""
     if any(s.get("encoder_states_by_keyword") for s in facts.stacks):
         return "decoder takes the encoder's output by keyword"
     blocks = sum(s["blocks"] for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"])
     if not blocks:
         return "partly frozen: layers would get no gradients"
+    if hooked:
+        return f"frozen upstream of {blocks} blocks: reentrant needs the input-grads hook"
     return f"frozen upstream, {blocks} blocks would lose gradients"
 
 
@@ -156,22 +167,28 @@ def _zero3_needs_reentrant(facts: Facts) -> bool:
     return facts.zero3 and facts.framework_facts.get(ZERO3_NONREENTRANT_RECOMPUTE) is not True
 
 
-def _stacks_without_input_grads(facts: Facts) -> str:
+def _stacks_without_input_grads(facts: Facts, served_by_hook: bool = False) -> str:
     """R1's condition, per checkpointed stack: its blocks train but nothing upstream of it does,
     so under reentrant its first input needs no grad and the blocks get none (transformers#21381).
     Parameters frozen elsewhere (Whisper's fixed position embeddings next to a trainable conv
-    stem, a frozen head) do not starve a stack. Without stack facts, any freezing counts."""
+    stem, a frozen head) do not starve a stack. A stack fed by the model's input embeddings is
+    served under reentrant by the input-grads hook R2 puts on their output (and on inputs_embeds):
+    those stacks are named only with `served_by_hook`, where R1 is a recommendation and a user's
+    explicit reentrant is kept. Without stack facts, any freezing counts (never served)."""
     if not facts.stacks:
-        if not facts.partially_frozen:
+        if served_by_hook or not facts.partially_frozen:
             return ""
         return (f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters: "
                 "reentrant would drop the gradients of layers whose inputs need none")
     keyword = [s for s in facts.stacks if s.get("encoder_states_by_keyword")]
     if keyword and facts.trainable_params:
+        if served_by_hook:
+            return ""
         names = ", ".join(s["stack"] for s in keyword)
         return (f"{names} gets the encoder's output as a keyword argument, which a reentrant checkpoint does not "
                 "see: the encoder's gradients through it are lost or its graph is run twice")
-    starved = [s for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"]]
+    starved = [s for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"]
+               and bool(s.get("fed_by_input_embeddings")) is served_by_hook]
     if not starved:
         return ""
     names = ", ".join(f"{s['stack']} ({s['blocks']} blocks)" for s in starved)

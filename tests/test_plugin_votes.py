@@ -14,6 +14,7 @@ from gcpatch.schema import (
     CRASH,
     EVAL_MODE_FIX,
     INPUT_GRADS_HOOK,
+    LIFT_BOUND_TENSORS,
     RECOMMENDED,
     REQUIRED,
     RUN_INLINE,
@@ -61,6 +62,22 @@ def test_partially_frozen_model_gets_r1_required_non_reentrant():
     votes = plugin("transformers").gcpatch_vote(facts(frozen_params=50))
     assert rules_voted(votes) == [("R1", False, REQUIRED)]
     assert next(v for v in votes if v.rule == "R1").avoids == WRONG_GRADIENTS
+
+
+def _stack(fed: bool, upstream: int = 0) -> dict:
+    return {"stack": "model.layers", "runner": "LlamaModel", "blocks": 2, "block_class": "LlamaDecoderLayer",
+            "trainable_in_blocks": 10, "trainable_upstream": upstream, "inputs_can_require_grad": upstream > 0,
+            "blocks_in_eval_mode": 0, "encoder_states_by_keyword": False, "fed_by_input_embeddings": fed}
+
+
+def test_r1_recommends_where_the_input_grads_hook_serves_and_requires_where_it_cannot():
+    vote = plugin("transformers").gcpatch_vote
+    # frozen embeddings feeding the stack: R2's hook makes reentrant exact, so a user's reentrant is kept
+    assert rules_voted(vote(facts(frozen_params=50, stacks=(_stack(fed=True),)))) == [("R1", False, RECOMMENDED)]
+    # nothing upstream the hook reaches (a vision tower behind a frozen patch embedding): required, as before
+    assert rules_voted(vote(facts(frozen_params=50, stacks=(_stack(fed=False),)))) == [("R1", False, REQUIRED)]
+    # something upstream trains: the stack's input requires grad, R1 has nothing to say
+    assert rules_voted(vote(facts(frozen_params=50, stacks=(_stack(fed=True, upstream=5),)))) == []
 
 
 def test_all_trainable_model_gets_only_the_input_grads_hook_and_use_cache_off():
@@ -133,6 +150,13 @@ def test_checkpoint_call_rules():
     assert vote(call_facts(inputs_require_grad=False, trainable_inside=False)) == []
     assert vote(call_facts(inputs_require_grad=False, grad_enabled=False)) == []
     assert rules_voted(vote(call_facts(context_fn=True))) == [("CK3", False, REQUIRED)]
+    # CK5: a bound tensor with a graph beside a grad-requiring positional input: passed positionally where it
+    # is the partial's own argument (reentrant kept), else non-reentrant; a leaf or no such tensor: nothing
+    assert [(v.rule, v.knob, v.value) for v in vote(call_facts(bound_graph_tensors=1, bound_graph_liftable=True))] \
+        == [("CK5", LIFT_BOUND_TENSORS, True)]
+    assert rules_voted(vote(call_facts(bound_graph_tensors=2))) == [("CK5", False, REQUIRED)]
+    assert vote(call_facts(bound_graph_tensors=1, asked_use_reentrant=False)) == []
+    assert vote(call_facts()) == []
     assert vote(call_facts(asked_use_reentrant=False, context_fn=True)) == []  # never made reentrant
     assert [(v.rule, v.knob) for v in vote(call_facts(nested=True))] == [("CK2", RUN_INLINE)]
 
@@ -169,7 +193,7 @@ def _fact_grid():
 
 def _call_grid():
     for values in itertools.product((None, True, False), (True, False), (True, False), (None, True, False),
-                                    (True, False), (True, False)):
+                                    (True, False), (True, False), (0, 1), (False, True)):
         yield CallFacts(*values)
 
 

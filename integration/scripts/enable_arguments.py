@@ -1,7 +1,7 @@
 """Every argument of the user's enable call survives gcpatch (transformers 5.17+: `every_n_layers`
-and `offload`). A 4-layer Llama, embeddings and layer 0 frozen (so R1 changes use_reentrant and
-gcpatch re-calls the framework), asked to checkpoint every 2nd layer with offloading, by a direct
-call or through the Trainer. Reports which layers checkpoint and with which function.
+and `offload`). A 4-layer Llama, embeddings and layer 0 frozen (gcpatch decides, keeps the reentrant
+ask with its input-grads hook, and calls the framework's enable with the decided kwargs), asked to
+checkpoint every 2nd layer with offloading, by a direct call or through the Trainer. Reports which layers checkpoint and with which function.
 
 usage: enable_arguments.py --path call|trainer
 """
