@@ -83,7 +83,7 @@ class Patcher:
             places = [(item.owner, item.attr)] + [(b.owner, b.name) for b in item.copies if b.index is None]
             for owner, name in places:
                 current = vars(owner).get(name)
-                if current is None or current is item.wrapper or getattr(current, "_self_gcpatch", False):
+                if current is None or getattr(current, "_self_gcpatch", False) or _runs(current, item.wrapper):
                     continue
                 wrapper = _GcpatchWrapper(current, item.wrapper._self_wrapper)
                 setattr(owner, name, wrapper)
@@ -113,6 +113,18 @@ class Patcher:
             else:
                 setattr(item.owner, item.attr, item.original)
         self.installed.clear()
+
+
+def _runs(current: Any, wrapper: Any) -> bool:
+    """`current` is gcpatch's wrapper, or a function that wraps it (functools.wraps' `__wrapped__`,
+    as gcpatch's own crash notes do around torch.autograd.backward): gcpatch still runs inside it."""
+    for _ in range(8):
+        if current is wrapper:
+            return True
+        current = getattr(current, "__wrapped__", None) if not getattr(current, "_self_gcpatch", False) else None
+        if current is None:
+            return False
+    return False
 
 
 class _GcpatchWrapper(wrapt.FunctionWrapper):
