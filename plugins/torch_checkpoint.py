@@ -9,8 +9,7 @@ others are decided by the rules below, from the call's own arguments.
 from __future__ import annotations
 
 from gcpatch import checkpoint_call
-from gcpatch.hookspecs import hookimpl
-from gcpatch.schema import (
+from gcpatch.plugin import (
     CRASH,
     REQUIRED,
     RUN_INLINE,
@@ -21,6 +20,7 @@ from gcpatch.schema import (
     PluginInfo,
     Rule,
     Vote,
+    hookimpl,
 )
 
 RULES = (
