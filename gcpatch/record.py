@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from gcpatch import console, headline
-from gcpatch.facts import rank
+from gcpatch.ranks import rank
 from gcpatch.schema import CallFacts, Decision, Facts, Stage
 
 log = logging.getLogger("gcpatch")

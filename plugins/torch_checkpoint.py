@@ -10,8 +10,7 @@ others are decided by the rules below, from the call's own arguments, and the ca
 from __future__ import annotations
 
 from gcpatch import checkpoint_call, reentrant_grads
-from gcpatch.hookspecs import hookimpl
-from gcpatch.schema import (
+from gcpatch.plugin import (
     CRASH,
     LIFT_BOUND_TENSORS,
     REQUIRED,
@@ -23,6 +22,7 @@ from gcpatch.schema import (
     PluginInfo,
     Rule,
     Vote,
+    hookimpl,
 )
 
 RULES = (
