@@ -116,6 +116,38 @@ def _restore_use_cache(state: ModelState) -> dict[str, str]:
     return restored
 
 
+def _switched() -> list[tuple[Any, Any]]:
+    """Every config R6 holds switched off now, with the user's own value."""
+    return [(config, old) for state in list(_states.values()) for config, _, old in state.cache_off.values()
+            if getattr(config, "use_cache", None) is False]
+
+
+def config_as_the_user(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`PretrainedConfig.to_dict` (wrapt's protocol): what a config serialises (config.json,
+    `to_json_string`, a tracker's copy) carries the user's `use_cache`, not R6's training value."""
+    out = wrapped(*args, **kwargs)
+    if isinstance(out, dict) and out.get("use_cache") is False:
+        for config, old in _switched():
+            if config is instance:
+                out["use_cache"] = old
+    return out
+
+
+def saving_as_the_user(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`save_pretrained` (wrapt's protocol) runs with the user's `use_cache` on every config R6
+    switched off, and R6's value back afterwards: transformers 4.x moves a non-default `use_cache`
+    from config.json into generation_config.json (and sets the config's to None) as it saves."""
+    switched = _switched()
+    for config, old in switched:
+        config.use_cache = old
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        for config, old in switched:
+            if getattr(config, "use_cache", None) == old:
+                config.use_cache = False
+
+
 def reset(model: Any) -> None:
     """Undo the eval-mode fix and the pending first-forward check (before a re-enable or a
     disable): the layers get back the user's mode and the framework's own function."""
