@@ -5,6 +5,7 @@ order of `import gcpatch` and `import transformers` does not matter.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import sys
@@ -128,7 +129,41 @@ def _runs(current: Any, wrapper: Any) -> bool:
 
 
 class _GcpatchWrapper(wrapt.FunctionWrapper):
+    """A patched function that copies and pickles as the function it stands for: a model holding
+    `partial(checkpoint, ...)` deep-copies (TRL's reference model, EMA and teacher copies) and
+    pickles exactly as it would without gcpatch. A function is its own copy; a pickle names the
+    original's qualified name, so it loads as whatever stands there (the original without gcpatch)."""
+
     _self_gcpatch = True
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        module = sys.modules.get(getattr(self, "__module__", None) or "")
+        name = getattr(self, "__qualname__", "")
+        try:
+            standing = _lookup(module, name) if module is not None and name else None
+        except AttributeError:
+            standing = None
+        if standing is self:
+            return name  # pickle's global reference, as for the function itself
+        # Not where the original lives (gcpatch was removed, or another tool rebound the name):
+        # pickled as what it wraps. copy.copy returns a function itself.
+        return copy.copy, (self.__wrapped__,)
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+
+def _lookup(module: Any, qualname: str) -> Any:
+    owner = module
+    for part in qualname.split("."):
+        owner = getattr(owner, part)
+    return owner
 
 
 def _replace_copies(original: Any, wrapper: Any) -> list[_Binding]:

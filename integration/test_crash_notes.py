@@ -48,6 +48,7 @@ def assert_explained_crash(run, plain, family: str, error_type: str, words: str,
     assert len(crash) == len(run.results), crash  # one per rank
     assert crash[0]["family"] == FAMILY_IDS[family] and words in crash[0]["error"]
     assert_explained(run, f"crash explained [{FAMILY_IDS[family]}]", "gcpatch decided:", rule)
+    assert "crash explained" not in run.stderr  # the script caught it: the note, no ERROR line
 
 
 @pytest.mark.parametrize("family", sorted(CASES))

@@ -104,6 +104,10 @@ def gcpatch_patch_points() -> list[PatchPoint]:
                    why="X3: the Trainer's re-enable goes through the same decision"),
         PatchPoint("transformers.training_args", "TrainingArguments.__post_init__", _training_args_post_init,
                    why="remember the user's own checkpoint kwargs before a trainer adds to them"),
+        PatchPoint("transformers.configuration_utils", "PretrainedConfig.to_dict", apply.config_as_the_user,
+                   why="R6: a serialised config carries the user's use_cache"),
+        PatchPoint("transformers.modeling_utils", "PreTrainedModel.save_pretrained", apply.saving_as_the_user,
+                   why="R6: what save_pretrained writes carries the user's use_cache"),
     ]
 
 
