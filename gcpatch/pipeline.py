@@ -62,6 +62,10 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
     quiet = _same_as_last(ctx, facts, decision) or ctx.asker.redecided_by == "verify"
     entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=quiet)
     ctx.commit(entry)
+    if cfg.memory_budget is not None:
+        from gcpatch import planner  # only with GCPATCH_MEMORY_BUDGET set: its plan runs before verify looks
+
+        planner.arm(call.model, cfg.memory_budget)
     if cfg.verify:
         verify.arm(call.model, correct)
     return result
