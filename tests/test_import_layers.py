@@ -10,12 +10,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gcpatch"
 
 # Lowest first. A module may import its own layer or any layer below it.
 LAYERS = (
-    ("vocabulary", {"errors", "schema", "settings", "caller", "headline", "hookspecs"}),
+    ("vocabulary", {"errors", "schema", "settings", "caller", "headline", "hookspecs", "budget"}),
     ("facts", {"ranks", "facts", "context"}),
     ("rules", {"resolve"}),
     ("effects", {"apply", "console", "record", "crash_notes", "reentrant_grads"}),
     ("plugin runtime", {"patching", "manager", "engine"}),
-    ("orchestration", {"checkpoint_call", "verify", "pipeline", "agreement"}),
+    ("orchestration", {"checkpoint_call", "verify", "layer_costs", "planner", "pipeline", "agreement"}),
     ("switch and surfaces", {"activation", "__init__", "plugin", "cli", "__main__"}),
 )
 
