@@ -98,3 +98,18 @@ def test_the_plan_switches_layers_off_and_leaves_the_rng_where_it_was(caplog):
     # a block holds 16 + 4 floats a row plain, its 4 output floats checkpointed: 2 of 3 reach half
     assert len(lines) == 1 and "2 of 3 layers checkpointed" in lines[0], lines
     assert [b.gradient_checkpointing for b in model.blocks].count(True) == 2
+
+
+def test_an_enable_after_the_plan_gets_the_plan_back_at_once(caplog):
+    """The Trainer's `train()` enables again after a first run: every layer is switched on by the
+    framework, and the plan (measured once) is put back without measuring again."""
+    model = Stack()
+    _first_forward(model, caplog)
+    planned = [b.gradient_checkpointing for b in model.blocks]
+    for block in model.blocks:
+        block.gradient_checkpointing = True  # what the framework's enable does
+    caplog.clear()
+    planner.arm(model, parse("0.5"))
+    assert [b.gradient_checkpointing for b in model.blocks] == planned
+    model(torch.randn(2, 4, requires_grad=True))
+    assert [r for r in caplog.records if " budget " in r.getMessage()] == []
