@@ -4,6 +4,10 @@ the import watcher that starts gcpatch when the first framework is imported.
 Kept outside the gcpatch package: with GCPATCH=1 the start-up path loads this one small module
 and installs the watcher; the package itself loads only when a framework is first imported
 (PEP 829 imports the module of every .start entry, so nothing here may import gcpatch early).
+
+PYTEST_DONT_REWRITE: pytest marks every top-level module of a distribution with a pytest11 entry
+point for assertion rewriting and warns (PytestAssertRewriteWarning, an error under `-W error`)
+for one already imported, as this one is by the .pth line. It holds no test helpers to rewrite.
 """
 import os
 import sys

@@ -7,6 +7,7 @@ per-model state so enabling twice leaves one hook and disabling leaves the model
 """
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import weakref
@@ -115,6 +116,38 @@ def _restore_use_cache(state: ModelState) -> dict[str, str]:
     return restored
 
 
+def _switched() -> list[tuple[Any, Any]]:
+    """Every config R6 holds switched off now, with the user's own value."""
+    return [(config, old) for state in list(_states.values()) for config, _, old in state.cache_off.values()
+            if getattr(config, "use_cache", None) is False]
+
+
+def config_as_the_user(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`PretrainedConfig.to_dict` (wrapt's protocol): what a config serialises (config.json,
+    `to_json_string`, a tracker's copy) carries the user's `use_cache`, not R6's training value."""
+    out = wrapped(*args, **kwargs)
+    if isinstance(out, dict) and out.get("use_cache") is False:
+        for config, old in _switched():
+            if config is instance:
+                out["use_cache"] = old
+    return out
+
+
+def saving_as_the_user(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`save_pretrained` (wrapt's protocol) runs with the user's `use_cache` on every config R6
+    switched off, and R6's value back afterwards: transformers 4.x moves a non-default `use_cache`
+    from config.json into generation_config.json (and sets the config's to None) as it saves."""
+    switched = _switched()
+    for config, old in switched:
+        config.use_cache = old
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        for config, old in switched:
+            if getattr(config, "use_cache", None) == old:
+                config.use_cache = False
+
+
 def reset(model: Any) -> None:
     """Undo the eval-mode fix and the pending first-forward check (before a re-enable or a
     disable): the layers get back the user's mode and the framework's own function."""
@@ -169,10 +202,9 @@ def fix_eval_mode(model: Any) -> int:
         layer.training = True
         fixed += 1
     if fixed and not state.mode_sync:
-        layers = [weakref.ref(layer) for layer, _ in state.eval_fixed]
+        sync = _ModeSync([layer for layer, _ in state.eval_fixed])
         for runner in _runners(model):
-            state.mode_sync.append(runner.register_forward_pre_hook(
-                lambda module, args, kwargs: _sync_modes(layers, kwargs), with_kwargs=True))
+            state.mode_sync.append(runner.register_forward_pre_hook(sync, with_kwargs=True))
     return fixed
 
 
@@ -195,12 +227,31 @@ def _asks_for_cache(kwargs: dict[str, Any]) -> bool:
     return kwargs.get("use_cache") is True or passes_kv_cache(kwargs)
 
 
-def _sync_modes(layers: list[weakref.ref], kwargs: dict[str, Any]) -> None:
-    grad = _grad_enabled() and not _asks_for_cache(kwargs)
-    for ref in layers:
-        layer = ref()
-        if layer is not None:
-            layer.training = grad or _user_mode(layer)
+class _ModeSync:
+    """R5's pre-hook on a stack's runner: the fixed layers checkpoint only in forwards that build a
+    graph. A module-level class so a model carrying it copies and pickles: a copy (or a loaded
+    pickle) finds its own fixed layers under the runner it runs on, at its first forward."""
+
+    def __init__(self, layers: list[Any] | None = None) -> None:
+        self.layers = None if layers is None else [weakref.ref(layer) for layer in layers]
+
+    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if _compiling():
+            return  # the modes the last eager forward left stand: a traced flag write recompiles
+        if self.layers is None:
+            self.layers = [weakref.ref(m) for m in module.modules()
+                           if isinstance(getattr(m, "_gradient_checkpointing_func", None), _ModePreservingCheckpoint)]
+        grad = _grad_enabled() and not _asks_for_cache(kwargs)
+        for ref in self.layers:
+            layer = ref()
+            if layer is not None:
+                layer.training = grad or _user_mode(layer)
+
+    def __deepcopy__(self, memo: dict) -> _ModeSync:
+        return _ModeSync()
+
+    def __reduce__(self) -> Any:
+        return _ModeSync, ()
 
 
 # Reads of `self.training` that do not change what a legacy model computes: the checkpoint
@@ -237,11 +288,19 @@ def _reads_training_only_to_checkpoint(module: Any) -> bool:
 
 
 class _ModePreservingCheckpoint:
-    """The layer's checkpoint function, running the checkpointed body in the user's mode."""
+    """The layer's checkpoint function, running the checkpointed body in the user's mode. A copy
+    of the layer gets one bound to the copy; a pickle names the layer (pickle's memo resolves it)."""
 
     def __init__(self, func: Callable[..., Any], layer: Any) -> None:
         self.func = func
         self.layer = weakref.ref(layer)
+
+    def __deepcopy__(self, memo: dict) -> _ModePreservingCheckpoint:
+        layer = self.layer()
+        return _ModePreservingCheckpoint(copy.deepcopy(self.func, memo), memo.get(id(layer), layer))
+
+    def __reduce__(self) -> Any:
+        return _ModePreservingCheckpoint, (self.func, self.layer())
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         layer = self.layer()
@@ -272,18 +331,78 @@ def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], 
     hooks are gone (no per-step cost after the first step)."""
     if state.first_forward:
         return
-    model_ref = weakref.ref(model)
+    hook = _FirstForward(_Armed(model, callback, state.first_forward))
+    for runner in _runners(model):
+        state.first_forward.append(runner.register_forward_pre_hook(hook, with_kwargs=True))
 
-    def pre_hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+
+class _Armed:
+    """What the first-forward hooks of one model share: the model, the decision to run, the
+    handles to remove once it ran. A deep copy of the model gets its own (bound to the copy,
+    without handles: each copied hook removes itself); a pickle names the model (pickle's memo
+    resolves it) and the callback by its qualified name."""
+
+    def __init__(self, model: Any, callback: Callable[[Any], None], handles: list[Any] | None = None) -> None:
+        self.model = weakref.ref(model) if model is not None else None
+        self.callback = callback
+        self.handles = handles if handles is not None else []
+        self.done = False
+
+    def fire(self) -> Any:
+        """The model to decide for, once; None after that."""
+        if self.done:
+            return None
+        self.done = True
+        _remove_handles(self.handles)
+        return self.model() if self.model is not None else None
+
+    def __deepcopy__(self, memo: dict) -> _Armed:
+        model = self.model() if self.model is not None else None
+        copied = _Armed(memo.get(id(model)), self.callback)
+        copied.done = self.done
+        return copied
+
+    def __reduce__(self) -> Any:
+        return _Armed, (self.model() if self.model is not None else None, self.callback)
+
+
+class _FirstForward:
+    """R5's one-shot pre-hook (see `_arm_first_forward`): module-level, so a model carrying it
+    copies and pickles."""
+
+    def __init__(self, armed: _Armed) -> None:
+        self.armed = armed
+
+    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if _compiling():
+            # Deciding is eager work (facts, votes, records): inside a traced region it would
+            # break the graph. The decision waits for an eager forward; the layers checkpoint as
+            # enabled meanwhile.
+            return
         if not _grad_enabled() or _asks_for_cache(kwargs):
             return
-        _remove_handles(state.first_forward)
-        target = model_ref()
+        _remove_hook(module, self)  # a copied hook has no handle
+        target = self.armed.fire()
         if target is not None:
-            callback(target)
+            self.armed.callback(target)
 
-    for runner in _runners(model):
-        state.first_forward.append(runner.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    def __deepcopy__(self, memo: dict) -> _FirstForward:
+        return _FirstForward(copy.deepcopy(self.armed, memo))
+
+    def __reduce__(self) -> Any:
+        return _FirstForward, (self.armed,)
+
+
+def _remove_hook(module: Any, hook: Any) -> None:
+    for key, value in list(module._forward_pre_hooks.items()):
+        if value is hook:
+            del module._forward_pre_hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _compiling() -> bool:
+    compiler = getattr(sys.modules["torch"], "compiler", None)
+    return compiler is not None and compiler.is_compiling()
 
 
 def _install_input_hooks(model: Any, state: ModelState) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gcpatch import record, settings
-from gcpatch.facts import rank
+from gcpatch.ranks import rank
 
 log = logging.getLogger("gcpatch")
 _MARK = "_gcpatch_explained"
@@ -167,13 +167,15 @@ def explain(exc: BaseException) -> str | None:
         lines = [f"likely cause: {family.cause}", f"rule: {family.rules}",
                  *(f"gcpatch decided: {text}" for text in decided), f"fix: {family.fix}"]
         note = f"gcpatch [{family.id}]: {family.title}\n" + "\n".join(f"  {line}" for line in lines)
-        if hasattr(exc, "add_note"):
-            exc.add_note(note)
-        else:  # Python < 3.11 has no exception notes: the log line carries it
-            log.error("%s", note)
         message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         line = f"gcpatch: rank {rank()} crash explained [{family.id}]: {type(exc).__name__}: {message}"
-        log.error("%s (gcpatch's note is on the exception)", line)
+        if hasattr(exc, "add_note"):
+            # The note is what the user sees if the exception propagates; a program that expects
+            # and catches it (torch's own tests catch CheckpointError) sees no ERROR line.
+            exc.add_note(note)
+            log.debug("%s (gcpatch's note is on the exception)", line)
+        else:  # Python < 3.11 has no exception notes: the log line is the only carrier
+            log.warning("%s\n%s", line, note)
         record.event({"stage": "crash", "family": family.id, "error": f"{type(exc).__name__}: {message}",
                       "line": line, "details": lines}, settings.read().record_dir)
         return note

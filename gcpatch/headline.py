@@ -126,7 +126,7 @@ def warnings(entry: dict[str, Any]) -> list[str]:
             if not isinstance(won, dict):
                 continue
             if vote.get("strength") == "user" and won.get("strength") == "required":
-                out.append(_fit(f"gcpatch: {who}: {won.get('rule')} overrules your {vote.get('knob')}="
+                out.append(_fit(f"gcpatch: {who}: {won.get('rule')} overrules {_whose(vote)} {vote.get('knob')}="
                                 f"{vote.get('value')} (GCPATCH_MODE=warn keeps it)"))
             elif vote.get("strength") == "required" and won.get("strength") == "user":
                 out.append(_fit(f"gcpatch: {who}: warn mode keeps {won.get('knob')}={won.get('value')} over "
@@ -138,6 +138,11 @@ def warnings(entry: dict[str, Any]) -> list[str]:
         out.append(_fit(f"gcpatch: {who}: required rules disagree on {knob}; {won.get('rule', '?')} wins over "
                         f"{', '.join(rules) or '?'} (gcpatch explain -v)"))
     return out
+
+
+def _whose(vote: dict[str, Any]) -> str:
+    # A call that named no use_reentrant runs with torch's default: nobody chose it.
+    return "torch's default" if str(vote.get("reason", "")).startswith("torch's default") else "your"
 
 
 def detail(entry: dict[str, Any]) -> str:

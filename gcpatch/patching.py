@@ -5,6 +5,7 @@ order of `import gcpatch` and `import transformers` does not matter.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import sys
@@ -83,7 +84,7 @@ class Patcher:
             places = [(item.owner, item.attr)] + [(b.owner, b.name) for b in item.copies if b.index is None]
             for owner, name in places:
                 current = vars(owner).get(name)
-                if current is None or current is item.wrapper or getattr(current, "_self_gcpatch", False):
+                if current is None or getattr(current, "_self_gcpatch", False) or _runs(current, item.wrapper):
                     continue
                 wrapper = _GcpatchWrapper(current, item.wrapper._self_wrapper)
                 setattr(owner, name, wrapper)
@@ -115,8 +116,54 @@ class Patcher:
         self.installed.clear()
 
 
+def _runs(current: Any, wrapper: Any) -> bool:
+    """`current` is gcpatch's wrapper, or a function that wraps it (functools.wraps' `__wrapped__`,
+    as gcpatch's own crash notes do around torch.autograd.backward): gcpatch still runs inside it."""
+    for _ in range(8):
+        if current is wrapper:
+            return True
+        current = getattr(current, "__wrapped__", None) if not getattr(current, "_self_gcpatch", False) else None
+        if current is None:
+            return False
+    return False
+
+
 class _GcpatchWrapper(wrapt.FunctionWrapper):
+    """A patched function that copies and pickles as the function it stands for: a model holding
+    `partial(checkpoint, ...)` deep-copies (TRL's reference model, EMA and teacher copies) and
+    pickles exactly as it would without gcpatch. A function is its own copy; a pickle names the
+    original's qualified name, so it loads as whatever stands there (the original without gcpatch)."""
+
     _self_gcpatch = True
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        module = sys.modules.get(getattr(self, "__module__", None) or "")
+        name = getattr(self, "__qualname__", "")
+        try:
+            standing = _lookup(module, name) if module is not None and name else None
+        except AttributeError:
+            standing = None
+        if standing is self:
+            return name  # pickle's global reference, as for the function itself
+        # Not where the original lives (gcpatch was removed, or another tool rebound the name):
+        # pickled as what it wraps. copy.copy returns a function itself.
+        return copy.copy, (self.__wrapped__,)
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+
+def _lookup(module: Any, qualname: str) -> Any:
+    owner = module
+    for part in qualname.split("."):
+        owner = getattr(owner, part)
+    return owner
 
 
 def _replace_copies(original: Any, wrapper: Any) -> list[_Binding]:

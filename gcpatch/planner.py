@@ -25,7 +25,8 @@ from typing import Any, Iterator
 
 from gcpatch import budget as budget_mod
 from gcpatch import record, settings, verify
-from gcpatch.facts import checkpoint_layers, checkpoint_site, rank
+from gcpatch.facts import checkpoint_layers, checkpoint_site
+from gcpatch.ranks import rank
 
 log = logging.getLogger("gcpatch")
 TOLERANCE = 0.05  # the plan is expected within 5% of its budget: bytes are extrapolated from a slice
@@ -271,7 +272,7 @@ def _key(model_name: str) -> str:
 
 
 def _publish(dist: Any, model_name: str, outcome: dict) -> None:
-    from gcpatch.agreement import default_store
+    from gcpatch.ranks import default_store
 
     store = default_store(dist)
     if store is None:
@@ -281,7 +282,7 @@ def _publish(dist: Any, model_name: str, outcome: dict) -> None:
 
 
 def _from_rank0(dist: Any, model_name: str) -> dict:
-    from gcpatch.agreement import default_store
+    from gcpatch.ranks import default_store
 
     store = default_store(dist)
     if store is None:

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from gcpatch import record, settings
 from gcpatch.errors import GcpatchError
-from gcpatch.facts import checkpoint_layers, passes_kv_cache, rank
+from gcpatch.facts import checkpoint_layers, passes_kv_cache
+from gcpatch.ranks import rank
 
 log = logging.getLogger("gcpatch")
 

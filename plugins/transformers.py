@@ -20,9 +20,7 @@ import sys
 from typing import Any
 
 from gcpatch import apply, context
-from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import EnableCall, run_disable, run_enable
-from gcpatch.schema import (
+from gcpatch.plugin import (
     EVAL_MODE_FIX,
     INPUT_GRADS_HOOK,
     NO_MEMORY_SAVED,
@@ -32,12 +30,16 @@ from gcpatch.schema import (
     USE_REENTRANT,
     WRONG_GRADIENTS,
     ZERO3_NONREENTRANT_RECOMPUTE,
+    EnableCall,
     Facts,
     PatchPoint,
     PluginInfo,
     Rule,
     Source,
     Vote,
+    hookimpl,
+    run_disable,
+    run_enable,
 )
 
 _V5_CHOKE = "_activation_checkpointing_enable"
@@ -102,6 +104,10 @@ def gcpatch_patch_points() -> list[PatchPoint]:
                    why="X3: the Trainer's re-enable goes through the same decision"),
         PatchPoint("transformers.training_args", "TrainingArguments.__post_init__", _training_args_post_init,
                    why="remember the user's own checkpoint kwargs before a trainer adds to them"),
+        PatchPoint("transformers.configuration_utils", "PretrainedConfig.to_dict", apply.config_as_the_user,
+                   why="R6: a serialised config carries the user's use_cache"),
+        PatchPoint("transformers.modeling_utils", "PreTrainedModel.save_pretrained", apply.saving_as_the_user,
+                   why="R6: what save_pretrained writes carries the user's use_cache"),
     ]
 
 
