@@ -21,6 +21,7 @@ from typing import Any
 from gcpatch import apply, console, context, record
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import checkpoint_layers
+from gcpatch.ranks import default_store
 
 log = logging.getLogger("gcpatch")
 RULE = "gcpatch:ranks"
@@ -126,16 +127,6 @@ def _last_failure() -> str:
         if "failed_open" in entry:
             return f"{entry.get('stage')}: {entry['failed_open']}"
     return ""
-
-
-def default_store(dist: Any) -> Any:
-    """The process group's key-value store, or None (logged) where there is none."""
-    getter = getattr(getattr(dist, "distributed_c10d", None), "_get_default_store", None)
-    try:
-        return getter() if getter is not None else None
-    except Exception as exc:  # noqa: BLE001
-        log.debug("gcpatch: no process-group store to compare ranks with (%s)", exc)
-        return None
 
 
 def _timeout_s(store: Any) -> float:

@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from gcpatch import engine, record, resolve, settings
+from gcpatch import engine, record, reentrant_grads, resolve, settings
 from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import named_modules
@@ -95,6 +95,8 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
         elif outcome.lift:
             function, rest = _lift(function, args, _torch)
             args = (function, *rest)
+    if kwargs.get(USE_REENTRANT, True) is not False:
+        reentrant_grads.reentrant_ran()  # CK6 looks at graphs only once a reentrant checkpoint ran
     if USE_REENTRANT not in kwargs:  # torch warns with stacklevel=2: let it name the caller, not gcpatch
         return call_from(user_frame(), original, (_inside_checkpoint(function), *args[1:]), kwargs)
     return original(_inside_checkpoint(function), *args[1:], **kwargs)

@@ -5,11 +5,25 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from typing import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a reader that stopped early (`| head`) raises here
+        return code
+    except BrokenPipeError:
+        # The reader has what it wanted: no traceback, and no second error when Python flushes
+        # stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="gcpatch", description="Correct gradient checkpointing, explained.")
+    parser.add_argument("--version", action="version", version=f"gcpatch {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="versions, plugins loaded or skipped and why, live patch points, mode")
     doctor.add_argument("--no-import", action="store_true",
@@ -78,9 +92,23 @@ def _explain(path: str | None, verbose: bool) -> int:
     if not found.entries and not found.damaged:
         print(f"gcpatch explain: no decisions recorded under {path}")
         return 0
+    if not any(isinstance(entry.get("stage"), str) for entry in found.entries):
+        print(f"gcpatch explain: {path} is not a gcpatch record (no line of it is a decision); pass the "
+              "GCPATCH_RECORD directory or one of its gcpatch-rank<N>.jsonl files", file=sys.stderr)
+        return 2
+    # two runs in one directory: each rank's lines of a run start with its pid and start time
+    several_runs = (len({str(e.get("pid", "?")) for e in found.entries})
+                    > len({str(e.get("rank", "?")) for e in found.entries}))
     by_rank: dict[str, list[str]] = {}
+    last_run: dict[str, str] = {}
     for entry in found.entries:
-        by_rank.setdefault(str(entry.get("rank", "?")), []).extend(_explain_lines(entry, verbose))
+        rank_ = str(entry.get("rank", "?"))
+        lines = by_rank.setdefault(rank_, [])
+        run = str(entry.get("pid", "?"))
+        if several_runs and last_run.get(rank_) != run:
+            lines.append(f"-- run: pid {run}, started {_when(entry.get('time'))}")
+        last_run[rank_] = run
+        lines.extend(_explain_lines(entry, verbose))
     first = next(iter(by_rank), None)
     for rank_, lines in by_rank.items():
         if len(by_rank) > 1:
@@ -96,6 +124,12 @@ def _explain(path: str | None, verbose: bool) -> int:
         for where in found.damaged[:20]:
             print(f"    {where}", file=sys.stderr)
     return 0
+
+
+def _when(stamp: object) -> str:
+    if isinstance(stamp, (int, float)) and not isinstance(stamp, bool):
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+    return "?"
 
 
 # What `summary` and the detail lines read from a decision record, and their types.
@@ -157,10 +191,16 @@ def _explain_lines(entry: dict, verbose: bool) -> list[str]:
 def _rules() -> int:
     from gcpatch import engine
 
+    host = engine.start()
     print(f"{'id':<8} {'plugin':<14} {'versions':<10} rule (source); [documents]: never decides a knob")
-    for plugin, rule in engine.start().rules():
+    table = host.rules()
+    for plugin, rule in table:
         kind = "[documents] " if rule.documents else ""
         print(f"{rule.id:<8} {plugin:<14} {rule.versions:<10} {kind}{rule.summary}\n{'':<34}source: {rule.source}")
+    if not table:
+        why = "; ".join(f"{s.name}: {s.state}{' (' + s.why + ')' if s.why else ''}" for s in host.statuses)
+        print(f"gcpatch rules: no rule applies here, no plugin is active ({why or 'none installed'}); "
+              "`gcpatch rules --markdown` prints every built-in rule", file=sys.stderr)
     return 0
 
 

@@ -22,9 +22,10 @@ of other libraries' loggers, gets the lines from this handler; a script that cal
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
+
+from gcpatch import ranks
 
 log = logging.getLogger("gcpatch")
 _said: set[str] = set()  # lines this process already logged at INFO
@@ -35,16 +36,8 @@ _PREFIX = "gcpatch/lines/"
 
 
 def speaker() -> bool:
-    """Whether this process says the decision lines at INFO: local rank 0 (LOCAL_RANK, else RANK,
-    else the process group's rank where one exists, as with `mp.spawn`)."""
-    for name in ("LOCAL_RANK", "RANK"):
-        value = os.environ.get(name)
-        if value is not None:
-            try:
-                return int(value) == 0
-            except ValueError:
-                return True  # a bad value is reported by settings; better twice than never
-    return _group_rank() == 0
+    """Whether this process says the decision lines at INFO: local rank 0 (gcpatch/ranks.py)."""
+    return ranks.local_rank() == 0
 
 
 def say(line: str, detail: str, identity: str, level: int = logging.INFO, quiet: bool = False,
@@ -58,7 +51,7 @@ def say(line: str, detail: str, identity: str, level: int = logging.INFO, quiet:
     if quiet:
         log.debug("%s", line)
         return
-    if _global_rank() == 0:
+    if ranks.rank() == 0:
         _mine.append((key, line))
     else:
         _pending.append((key, line))
@@ -86,7 +79,7 @@ def exchange(store: Any = None) -> None:
     if not _mine and not _pending:
         return
     try:
-        store = store if store is not None else _store()
+        store = store if store is not None else ranks.store()
         if store is None:
             return
         while _mine:
@@ -99,7 +92,7 @@ def exchange(store: Any = None) -> None:
             theirs = store.get(key).decode("utf-8", "replace")
             if theirs != line:
                 log.warning("gcpatch: rank %d decided differently from rank 0: %s (rank 0: %s)",
-                            _global_rank(), line, theirs)
+                            ranks.rank(), line, theirs)
     except Exception as exc:  # noqa: BLE001 (a comparison is never worth the host's job)
         log.debug("gcpatch: could not compare decision lines with rank 0 (%s: %s)", type(exc).__name__, exc)
         _mine.clear()
@@ -111,32 +104,6 @@ def _awake() -> None:
     # logger it does not name, gcpatch's own included: GCPATCH_LOG=off is how gcpatch is silenced.
     if log.disabled:
         log.disabled = False
-
-
-def _global_rank() -> int:
-    try:
-        return int(os.environ["RANK"]) if "RANK" in os.environ else _group_rank()
-    except ValueError:  # settings reports a bad RANK once
-        return 0
-
-
-def _group_rank() -> int:
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception as exc:  # noqa: BLE001
-        log.debug("gcpatch: no process-group rank (%s: %s); counted as rank 0", type(exc).__name__, exc)
-    return 0
-
-
-def _store() -> Any:
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return None
-    from gcpatch.agreement import default_store  # imported late: agreement records through this module
-
-    return default_store(dist)
 
 
 def forget() -> None:

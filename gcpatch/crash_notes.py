@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gcpatch import record, settings
-from gcpatch.facts import rank
+from gcpatch.ranks import rank
 
 log = logging.getLogger("gcpatch")
 _MARK = "_gcpatch_explained"

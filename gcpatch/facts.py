@@ -326,7 +326,7 @@ def gather(
     asked = dict(asked_kwargs or {})
     config = getattr(model, "config", None)
     world_size = _int_env("WORLD_SIZE", 1)
-    return _with_framework_facts(Facts(
+    return Facts(
         stage=stage,
         api=api,
         source=source,
@@ -357,7 +357,7 @@ def gather(
         find_unused_parameters=bool(context.get("find_unused_parameters", False)),
         trainer=trainer,
         **fsdp_facts(model, context),
-    ))
+    )
 
 
 def for_config(
@@ -377,7 +377,7 @@ def for_config(
     yet: a config that freezes part of the model counts one frozen and one trainable tensor, so
     `partially_frozen` holds; the model-level decision later sees the real counts."""
     asked = dict(asked_kwargs or {})
-    return _with_framework_facts(Facts(
+    return Facts(
         stage="config", api=api, source="config", model_class=model_class,
         asked_use_reentrant=_as_bool(asked.get("use_reentrant")), asked_from=asked_from, asked_kwargs=asked,
         trainable_params=1, frozen_params=1 if partially_frozen else 0, embeddings_trainable=None,
@@ -385,16 +385,7 @@ def for_config(
         layers_in_eval_mode=0, checkpoint_layer_api=True, use_cache=None, peft=peft, kbit=kbit,
         zero3=zero3, world_size=world_size, distributed="ddp" if world_size > 1 else "none",
         versions=versions(), trainer=trainer,
-    ))
-
-
-def _with_framework_facts(facts: Facts) -> Facts:
-    """What the running plugins know about their frameworks (`gcpatch_facts`: a release gate one
-    plugin owns and another plugin's rule reads). None outside a running engine (unit tests)."""
-    from gcpatch import engine
-
-    host = engine.running()
-    return host.with_framework_facts(facts) if host is not None else facts
+    )
 
 
 def versions() -> Mapping[str, str | None]:
@@ -417,17 +408,6 @@ def installed_version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
-
-
-def rank() -> int:
-    """This process's rank, for the record only: never a decision input."""
-    for name in ("RANK", "LOCAL_RANK"):
-        if name in os.environ:
-            return _int_env(name, 0)
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return 0
 
 
 def _embeddings_trainable(model: Any) -> bool | None:

@@ -19,6 +19,7 @@ from packaging.version import InvalidVersion, Version
 
 from gcpatch import console, hookspecs, settings
 from gcpatch.errors import GcpatchError
+from gcpatch.facts import installed_version
 from gcpatch.schema import (
     EVAL_MODE_FIX,
     FAILURE_ORDER,
@@ -92,7 +93,7 @@ class PluginHost:
             self._unregister(name)
             return self._failed(name, "failed in gcpatch_plugin_info", exc)
         status = PluginStatus(name, "active", info=info)
-        installed = _installed_version(info.framework)
+        installed = installed_version(info.framework)
         status.framework_version = installed
         if installed is None:
             status.state, status.why = "skipped", f"{info.framework} is not installed"
@@ -366,13 +367,6 @@ def _say_untested(framework: str, version: str, proven: str) -> None:
     """The plugin runs, but no matrix cell proves this release."""
     _say_once(logging.WARNING, f"gcpatch: untested {framework} {version} (the version matrix proves {proven}); "
               f"gcpatch keeps working where it can and falls back to {framework}'s own behaviour where it cannot")
-
-
-def _installed_version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _in_range(version: str, spec: str) -> bool:

@@ -192,7 +192,7 @@ class Patcher:
             places = [(item.owner, item.attr)] + [(b.owner, b.name) for b in item.copies if b.index is None]
             for owner, name in places:
                 current = vars(owner).get(name)
-                if current is None or current is item.wrapper or getattr(current, "_self_gcpatch", False):
+                if current is None or getattr(current, "_self_gcpatch", False) or _runs(current, item.wrapper):
                     continue
                 wrapper = self._wrap(key, current, item.wrapper._self_wrapper)
                 setattr(owner, name, wrapper)
@@ -277,6 +277,18 @@ def _function_wrapper(original: Callable[..., Any], guard: Callable[..., Any]) -
     wrapper._self_gcpatch = True
     wrapper._self_wrapper = guard
     return wrapper
+
+
+def _runs(current: Any, wrapper: Any) -> bool:
+    """`current` is gcpatch's wrapper, or a function that wraps it (functools.wraps' `__wrapped__`,
+    as gcpatch's own crash notes do around torch.autograd.backward): gcpatch still runs inside it."""
+    for _ in range(8):
+        if current is wrapper:
+            return True
+        current = getattr(current, "__wrapped__", None) if not getattr(current, "_self_gcpatch", False) else None
+        if current is None:
+            return False
+    return False
 
 
 class _GcpatchWrapper(wrapt.FunctionWrapper):

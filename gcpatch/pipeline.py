@@ -18,12 +18,13 @@ from gcpatch.errors import GcpatchError
 from gcpatch.manager import PluginFailure
 from gcpatch.schema import EVAL_MODE_FIX, REQUIRED, USE_REENTRANT, WRONG_GRADIENTS, Stage, Vote
 
-__all__ = ["EnableCall", "redecide", "redecide_within", "run_config", "run_disable", "run_enable"]
+__all__ = ["redecide", "redecide_within", "run_config", "run_disable", "run_enable"]
 
 log = logging.getLogger("gcpatch")
 
 
 def run_enable(call: EnableCall) -> Any:
+    """Decide for the framework's enable `call`, run it with the decided kwargs, apply, record."""
     if context.asker().inside:
         return call.invoke(call.asked_kwargs)  # an enable nested in ours: the outer decision stands
     cfg = settings.read()
@@ -35,9 +36,9 @@ def run_enable(call: EnableCall) -> Any:
 
 def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings.Settings) -> Any:
     try:
-        facts = facts_mod.gather(call.model, stage=Stage.ENABLE, api=call.api, source=ctx.source,
-                                 asked_kwargs=ctx.asked, asked_from=ctx.asked_from, context=ctx.model.wrapped,
-                                 trainer=ctx.trainer)
+        facts = _with_framework_facts(facts_mod.gather(
+            call.model, stage=Stage.ENABLE, api=call.api, source=ctx.source, asked_kwargs=ctx.asked,
+            asked_from=ctx.asked_from, context=ctx.model.wrapped, trainer=ctx.trainer))
         votes = resolve.stance_votes(facts) + engine.host().votes(facts) + ctx.model.evidence
         decision = resolve.resolve(votes, cfg.mode)
     except GcpatchError:
@@ -61,6 +62,10 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
     quiet = _same_as_last(ctx, facts, decision) or ctx.asker.redecided_by == "verify"
     entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=quiet)
     ctx.commit(entry)
+    if cfg.memory_budget is not None:
+        from gcpatch import planner  # only with GCPATCH_MEMORY_BUDGET set: its plan runs before verify looks
+
+        planner.arm(call.model, cfg.memory_budget)
     if cfg.verify:
         verify.arm(call.model, correct)
     return result
@@ -86,6 +91,7 @@ def run_config(facts: Any, write: Callable[[Any], dict[str, Any]]) -> Any:
     Returns the decision, or None when gcpatch failed open (the config is left as it was)."""
     cfg = settings.read()
     try:
+        facts = _with_framework_facts(facts)
         decision = resolve.resolve(resolve.stance_votes(facts) + engine.host().votes(facts), cfg.mode)
         applied = write(decision)
     except GcpatchError:
@@ -158,10 +164,10 @@ def _decide_first_forward(model: Any) -> None:
     known = context.of(model)
     last = known.last or {}
     try:
-        facts = facts_mod.gather(model, stage=Stage.FIRST_FORWARD, api=last.get("api", "?"),
-                                 source=last.get("source", "call"), asked_kwargs=known.ask,
-                                 asked_from=known.ask_from or "nothing", context=known.wrapped,
-                                 trainer=known.trainer)
+        facts = _with_framework_facts(facts_mod.gather(
+            model, stage=Stage.FIRST_FORWARD, api=last.get("api", "?"), source=last.get("source", "call"),
+            asked_kwargs=known.ask, asked_from=known.ask_from or "nothing", context=known.wrapped,
+            trainer=known.trainer))
         decision = resolve.resolve(engine.host().votes(facts), cfg.mode)
         if not decision.winners and not decision.warnings:
             return
@@ -178,6 +184,12 @@ def _decide_first_forward(model: Any) -> None:
     except Exception as exc:
         apply.reset(model)
         _failed_open(Stage.FIRST_FORWARD, exc, cfg)
+
+
+def _with_framework_facts(facts: Any) -> Any:
+    """`facts` with what the running plugins know about their frameworks (`gcpatch_facts`: a
+    release gate one plugin owns and another plugin's rule reads); gathering stays pure."""
+    return engine.host().with_framework_facts(facts)
 
 
 def _checkpointing_on(model: Any) -> bool:

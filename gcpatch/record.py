@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from gcpatch import console, headline
-from gcpatch.facts import rank
+from gcpatch.ranks import rank
 from gcpatch.schema import CallFacts, Decision, Facts, Stage
 
 log = logging.getLogger("gcpatch")
@@ -205,6 +205,9 @@ def _write(entry: dict[str, Any], record_dir: str) -> bool:
     path = os.path.join(record_dir, f"gcpatch-rank{entry.get('rank', 0)}.jsonl")
     try:
         line = (json.dumps(entry, default=repr) + "\n").encode("utf-8")
+        foreign = _foreign_link(record_dir)
+        if foreign:
+            raise OSError(f"{foreign} is a symbolic link owned by another user, which gcpatch never follows")
         if not os.path.isdir(record_dir):
             os.makedirs(record_dir, mode=0o700, exist_ok=True)  # ours: only this user reads it
         fd = os.open(path, _OPEN_FLAGS, 0o600)
@@ -230,6 +233,37 @@ def _write(entry: dict[str, Any], record_dir: str) -> bool:
                       path, reason)
         return False
     return True
+
+
+def _foreign_link(record_dir: str) -> str:
+    """The first component of `record_dir` that is a symlink owned by neither this user nor root,
+    or ''. Another user's link could send this user's records wherever they like; root's (/var/run,
+    macOS's /tmp) are the system's own. Checked once per directory and process."""
+    if record_dir in _checked_dirs:
+        return _checked_dirs[record_dir]
+    found = ""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    current = os.path.abspath(record_dir)
+    parts = []
+    while True:
+        head, tail = os.path.split(current)
+        if not tail:
+            break
+        parts.append(current)
+        current = head
+    for part in reversed(parts):  # from the root down
+        try:
+            info = os.lstat(part)
+        except OSError:
+            break  # not there yet: created below, by this user
+        if uid is not None and stat.S_ISLNK(info.st_mode) and info.st_uid not in (uid, 0):
+            found = part
+            break
+    _checked_dirs[record_dir] = found
+    return found
+
+
+_checked_dirs: dict[str, str] = {}
 
 
 def _errno_of(exc: BaseException) -> int | None:

@@ -34,7 +34,7 @@ class Settings:
     """The parsed variables. A plain class: this module is on the start-up path, where
     importing dataclasses (and with it inspect) would cost more than gcpatch itself."""
 
-    __slots__ = ("mode", "record_dir", "blocked_plugins", "log_level", "verify")
+    __slots__ = ("mode", "record_dir", "blocked_plugins", "log_level", "verify", "memory_budget")
 
     def __init__(
         self,
@@ -43,12 +43,14 @@ class Settings:
         blocked_plugins: frozenset[str] = frozenset(),
         log_level: str = "info",
         verify: bool = False,
+        memory_budget: object = None,
     ) -> None:
         self.mode = mode
         self.record_dir = record_dir
         self.blocked_plugins = blocked_plugins
         self.log_level = log_level
         self.verify = verify  # GCPATCH_VERIFY=1: check each model's first training step (gcpatch/verify.py)
+        self.memory_budget = memory_budget  # GCPATCH_MEMORY_BUDGET, a gcpatch.budget.Budget (gcpatch/planner.py)
 
     @property
     def strict(self) -> bool:
@@ -56,7 +58,8 @@ class Settings:
 
 
 def read() -> Settings:
-    """Read GCPATCH_MODE, GCPATCH_RECORD, GCPATCH_DISABLE_PLUGINS, GCPATCH_LOG and GCPATCH_VERIFY."""
+    """Read GCPATCH_MODE, GCPATCH_RECORD, GCPATCH_DISABLE_PLUGINS, GCPATCH_LOG, GCPATCH_VERIFY and
+    GCPATCH_MEMORY_BUDGET."""
     mode = os.environ.get("GCPATCH_MODE", "fix").strip().lower() or "fix"
     if mode not in MODES:
         _bad("GCPATCH_MODE", mode, " | ".join(MODES), "fix")
@@ -70,7 +73,24 @@ def read() -> Settings:
     )
     record_dir = os.environ.get("GCPATCH_RECORD", "").strip() or None
     verify = os.environ.get("GCPATCH_VERIFY", "").strip().lower() in _TRUE
-    return Settings(mode=mode, record_dir=record_dir, blocked_plugins=blocked, log_level=log_level, verify=verify)
+    return Settings(mode=mode, record_dir=record_dir, blocked_plugins=blocked, log_level=log_level, verify=verify,
+                    memory_budget=memory_budget())
+
+
+def memory_budget() -> object:
+    """GCPATCH_MEMORY_BUDGET: a fraction of the activations (0.5) or a size (6GiB, 800MB), parsed
+    by gcpatch.budget (imported only when the variable is set: this module is on the start-up path)."""
+    raw = os.environ.get("GCPATCH_MEMORY_BUDGET", "")
+    if not raw.strip():
+        return None
+    from gcpatch.budget import parse
+
+    parsed = parse(raw)
+    if isinstance(parsed, str):
+        report_once("GCPATCH_MEMORY_BUDGET", f"gcpatch: GCPATCH_MEMORY_BUDGET={raw!r} is {parsed}; no budget is "
+                    "applied, every layer whose checkpointing is on recomputes as without the variable")
+        return None
+    return parsed
 
 
 def local_plugins() -> bool:

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from gcpatch import record, settings
 from gcpatch.errors import GcpatchError
-from gcpatch.facts import checkpoint_layers, passes_kv_cache, rank
+from gcpatch.facts import checkpoint_layers, passes_kv_cache
+from gcpatch.ranks import rank
 
 log = logging.getLogger("gcpatch")
 
@@ -231,7 +232,7 @@ def _report_correction(before: Report, after: Report, changed: str, cfg: setting
     """One line: what fix mode changed before the user's first step, why, and the second verification."""
     why = (f"{len(before.wrong)} of {before.tensors} gradients differed from no checkpointing" if before.wrong
            else "blocks were recomputed more than once")
-    line = (f"gcpatch: rank {rank()} verify {before.model}: fixed before the first step: {changed} (VERIFY: {why}); "
+    line = (f"gcpatch: rank {rank()} verify {before.model}: changed before the first step: {changed} (VERIFY: {why}); "
             f"verified again: {after.line().split(': ', 1)[-1]}")
     log.log(logging.WARNING if _needs_correction(after) or after.skipped else logging.INFO, "%s", line)
     record.event({"stage": "verify", "model": after.model, "line": line, "corrected": changed,

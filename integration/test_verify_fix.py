@@ -15,6 +15,7 @@ THIRD_PARTY = str(Path(__file__).resolve().parent / "third_party")
 BLOCKED = {"GCPATCH_VERIFY": "1", "GCPATCH_DISABLE_PLUGINS": "torch"}
 PLUGIN = {**BLOCKED, "PYTHONPATH": THIRD_PARTY}
 RUNS = [Spec(SCRIPT, ("--reentrant", "true"), env=tuple(sorted(BLOCKED.items()))),
+        Spec(SCRIPT, ("--reentrant", "true", "--offloader"), env=(("GCPATCH_VERIFY", "1"),)),
         Spec(SCRIPT, ("--reentrant", "false"), env=tuple(sorted(PLUGIN.items()))),
         Spec(SCRIPT, ("--reentrant", "true"), env=tuple(sorted({**BLOCKED, "GCPATCH_MODE": "warn"}.items())))]
 DIGESTS = ("grads", "loss", "optimizer_state", "params_after", "rng_after")
@@ -31,12 +32,12 @@ def _assert_corrected(run, correct, asked):
     assert not first["verify"]["gradients_match"] and len(first["verify"]["missing"]) == 13
     assert second["corrected"] == "use_reentrant True -> False"
     assert not second["verify_before"]["gradients_match"] and second["verify"]["gradients_match"]
-    assert "fixed before the first step: use_reentrant True -> False (VERIFY: 13 of 15 gradients differed" in \
+    assert "changed before the first step: use_reentrant True -> False (VERIFY: 13 of 15 gradients differed" in \
         second["line"] and "verified again: gradients match (15 tensors" in second["line"], second["line"]
     last = [r for r in run.records() if r.get("stage") == "enable"][-1]
     assert last["source"] == "verify" and last["decision"]["winners"]["use_reentrant"]["rule"] == "VERIFY"
     assert last["applied"]["use_reentrant"] is False and last["asked"]["use_reentrant"] is asked
-    lines = [line for line in run.stderr.splitlines() if "fixed before the first step" in line]
+    lines = [line for line in run.stderr.splitlines() if "changed before the first step" in line]
     assert len(lines) == 1, run.stderr
 
 
@@ -65,3 +66,20 @@ def test_warn_mode_reports_and_changes_nothing(script_runs):
     assert run.result["grads"] == plain.result["grads"] and run.result["missing"] == 13
     [verified] = _verify_records(run)
     assert not verified["verify"]["gradients_match"] and "corrected" not in verified
+
+
+def test_the_last_resort_is_checkpointing_off_for_the_blocks_non_reentrant_cannot_fix(script_runs):
+    """A tool's own reentrant-only checkpoint function (an offloader) ignores use_reentrant: the
+    switch to non-reentrant changes nothing, verify says so, and fix mode switches checkpointing off
+    for the offending blocks; the step equals one that never checkpointed, bit for bit."""
+    plain = script_runs.get(SCRIPT, "--reentrant", "true", "--offloader", gcpatch=False)
+    assert plain.result["missing"] == 13
+    never = script_runs.get(SCRIPT, "--reentrant", "true", "--no-checkpointing", gcpatch=False)
+    run = script_runs.get(SCRIPT, "--reentrant", "true", "--offloader", gcpatch=True, env={"GCPATCH_VERIFY": "1"})
+    assert run.result["missing"] == 0, run.describe()
+    assert {k: run.result[k] for k in DIGESTS} == {k: never.result[k] for k in DIGESTS}
+    first, switched, off = _verify_records(run)
+    assert switched["corrected"] == "use_reentrant True -> False" and not switched["verify"]["gradients_match"]
+    assert off["corrected"].startswith("checkpointing off for 3 of 3 checkpointed blocks")
+    assert off["verify"]["gradients_match"] and off["verify"]["blocks"] == {}
+    assert len([line for line in run.stderr.splitlines() if "changed before the first step" in line]) == 2

@@ -4,12 +4,13 @@ table matrix/RESULTS.md (release x rule -> pass / skip with reason / fail / not 
 
     python matrix/run.py                      # every cell, the core selection
     python matrix/run.py --cells 4.43.4,5.17.0 --tests full
+    python matrix/run.py --cells 4.57.6,4.35.2 --tests suite   # what CI's tf457/tf4352 ran before they kept the core
     python matrix/run.py --cells missing      # resume: the cells without a result for the selected columns
     python matrix/run.py --cells missing --tests "P1 QLoRA,T1 TRL,R4 DDP,F2 FSDP"   # the extra columns where not run
     python matrix/run.py --cells none --pythons 3.9,3.10,3.12,3.13   # the framework-free suite there
     python matrix/run.py --render             # only re-render RESULTS.md from results.json
 
-Environments live outside the repository (default /work/matrix-envs, or $GCPATCH_MATRIX_ENVS) and
+Environments live outside the repository ($GCPATCH_MATRIX_ENVS, default ~/.cache/gcpatch-matrix) and
 are reused between runs: one base venv holds torch 2.13 (CPU) and the test tools, and each cell is
 a small venv that sees the base through a .pth file and holds only its own transformers, peft,
 trl and accelerate. A cell is rebuilt only when its pins change. gcpatch itself is built once per
@@ -52,6 +53,8 @@ RULES: list[tuple[str, str, list[str]]] = [
     ("T1 TRL", "TRL SFT + PEFT", ["integration/test_trl_peft.py"]),
     ("R4 DDP", "R4 DDP find_unused over 2 ranks", ["integration/test_ddp_unused.py"]),
     ("F2 FSDP", "F2 reentrant recompute that encloses FSDP's unshard all-gathers again", ["integration/test_fsdp_all_gather.py"]),
+    # what CI's tox env of a release ran before CI kept only the core columns on 4.57 and the oldest
+    ("suite", "the whole suite, every unit and integration test", ["tests", "integration"]),
 ]
 CORE = ["patch points", "canaries", "R1 frozen", "P4 LoRA", "R5 eval", "X3 Trainer", "X1 args"]
 CI_CELLS = ("oldest", "4.57.6", "newest")
@@ -63,7 +66,9 @@ def releases() -> list[dict[str, str]]:
 
 
 def envs_dir() -> Path:
-    return Path(os.environ.get("GCPATCH_MATRIX_ENVS", "/work/matrix-envs"))
+    """$GCPATCH_MATRIX_ENVS, else the user's cache directory (several GB: a venv per release)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(os.environ.get("GCPATCH_MATRIX_ENVS") or cache / "gcpatch-matrix")
 
 
 def sh(cmd: list[str], log: Path | None = None, timeout: int = 1800, **kw) -> subprocess.CompletedProcess:
@@ -178,7 +183,7 @@ def run_cell(row: dict[str, str], columns: list[str], wheel: Path, base: Path, l
         cell["wall_s"] = round(time.monotonic() - start, 1)
         return cell
     sh([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], log)
-    files = [f for name, _, fs in RULES if name in columns for f in fs if (ROOT / f).exists()]
+    files = list(dict.fromkeys(f for name, _, fs in RULES if name in columns for f in fs if (ROOT / f).exists()))
     junit = logs / f"tf-{version}.xml"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GCPATCH_IT_WORKERS": os.environ.get("GCPATCH_IT_WORKERS", "1"),
            "PYTHONDONTWRITEBYTECODE": "1"}
@@ -253,7 +258,8 @@ def summarise(junit: Path, columns: list[str]) -> dict[str, dict]:
     for name, _, files in RULES:
         if name not in columns:
             continue
-        got = [c for f in files for key, cs in cases.items() if f.removesuffix(".py") == key for c in cs]
+        got = [c for f in files for key, cs in cases.items()
+               if key == f.removesuffix(".py") or key.startswith(f + "/") for c in cs]
         if not got:
             out[name] = {"state": "fail" if junit.exists() else "not run", "detail": "no test collected"}
             continue
@@ -375,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", default="all",
                         help="'all', 'ci' (oldest, 4.57.6, newest), 'missing' (those without a result for every "
                         "selected column), 'none', or versions, comma-separated")
-    parser.add_argument("--tests", default="core", help="'core', 'full' or column names, comma-separated")
+    parser.add_argument("--tests", default="core", help="'core', 'full' (every rule column), 'suite' (the whole suite) or column names, comma-separated")
     parser.add_argument("--pythons", default="", help="other Pythons for the framework-free suite, e.g. 3.9,3.10,3.12,3.13 "
                         "(with --cells all: these four unless given)")
     parser.add_argument("--render", action="store_true", help="only re-render RESULTS.md")
@@ -385,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render:
         rows = releases()
         supported = [r for r in rows if r["status"] != "unsupported"]
-        columns = {"core": CORE, "full": [n for n, _, _ in RULES]}.get(args.tests) or args.tests.split(",")
+        columns = {"core": CORE, "full": [n for n, _, _ in RULES if n != "suite"]}.get(args.tests) or args.tests.split(",")
+        unknown = sorted(set(columns) - {n for n, _, _ in RULES})
+        if unknown:
+            parser.error(f"no such column: {', '.join(unknown)} (columns: {', '.join(n for n, _, _ in RULES)})")
         if args.cells == "none":
             chosen = []
         elif args.cells == "all":

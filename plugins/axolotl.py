@@ -10,10 +10,21 @@ import logging
 import os
 from typing import Any
 
-from gcpatch.facts import for_config
-from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import run_config
-from gcpatch.schema import CRASH, RECOMMENDED, REQUIRED, USE_REENTRANT, Decision, Facts, PatchPoint, PluginInfo, Rule, Vote
+from gcpatch.plugin import (
+    CRASH,
+    RECOMMENDED,
+    REQUIRED,
+    USE_REENTRANT,
+    Decision,
+    Facts,
+    PatchPoint,
+    PluginInfo,
+    Rule,
+    Vote,
+    for_config,
+    hookimpl,
+    run_config,
+)
 
 log = logging.getLogger("gcpatch")
 

@@ -8,9 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import redecide_within
-from gcpatch.schema import RECOMMENDED, USE_REENTRANT, Facts, PatchPoint, PluginInfo, Rule, Vote
+from gcpatch.plugin import (
+    RECOMMENDED,
+    USE_REENTRANT,
+    Facts,
+    PatchPoint,
+    PluginInfo,
+    Rule,
+    Vote,
+    hookimpl,
+    redecide_within,
+)
 
 RULES = (
     Rule("C1", "model.train() is ColossalAI's caller's job; left in eval mode, checkpointing does nothing: R5 "

@@ -10,10 +10,19 @@ import inspect
 from typing import Any
 
 from gcpatch import agreement
-from gcpatch.errors import GcpatchError
-from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import redecide_within
-from gcpatch.schema import CRASH, REQUIRED, USE_REENTRANT, Facts, PatchPoint, PluginInfo, Rule, Vote
+from gcpatch.plugin import (
+    CRASH,
+    REQUIRED,
+    USE_REENTRANT,
+    Facts,
+    GcpatchError,
+    PatchPoint,
+    PluginInfo,
+    Rule,
+    Vote,
+    hookimpl,
+    redecide_within,
+)
 
 RULES = (
     Rule("R4", "multi-process DDP with find_unused_parameters=True + reentrant -> non-reentrant",

@@ -9,9 +9,7 @@ import logging
 
 from packaging.version import InvalidVersion, Version
 
-from gcpatch.facts import installed_version
-from gcpatch.hookspecs import hookimpl
-from gcpatch.schema import (
+from gcpatch.plugin import (
     CRASH,
     INPUT_GRADS_HOOK,
     REQUIRED,
@@ -21,6 +19,8 @@ from gcpatch.schema import (
     PluginInfo,
     Rule,
     Vote,
+    hookimpl,
+    installed_version,
 )
 
 # The first release whose runtime/zero/partitioned_param_coordinator.py skips frozen params

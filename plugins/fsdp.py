@@ -21,9 +21,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import redecide_within
-from gcpatch.schema import RECOMMENDED, USE_REENTRANT, Facts, PatchPoint, PluginInfo, Rule, Vote
+from gcpatch.plugin import (
+    RECOMMENDED,
+    USE_REENTRANT,
+    Facts,
+    PatchPoint,
+    PluginInfo,
+    Rule,
+    Vote,
+    hookimpl,
+    redecide_within,
+)
 
 RULES = (
     Rule("F1", "FSDP wrapping (FSDP1, FSDP2 fully_shard, accelerate's FSDP plugin) and FSDP's own activation "

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from gcpatch import context
-from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import redecide
-from gcpatch.schema import INPUT_GRADS_HOOK, REQUIRED, WRONG_GRADIENTS, Facts, PatchPoint, PluginInfo, Rule, Vote
+from gcpatch.plugin import (
+    INPUT_GRADS_HOOK,
+    REQUIRED,
+    WRONG_GRADIENTS,
+    Facts,
+    PatchPoint,
+    PluginInfo,
+    Rule,
+    Vote,
+    asking,
+    hookimpl,
+    redecide,
+)
 
 RULES = (
     Rule("P1", "k-bit model + reentrant -> the input-grads hook (its frozen quantized weights never make the first "
@@ -57,7 +66,7 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
 
 
 def _prepare_kbit(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    with context.asking(caller="peft.prepare_model_for_kbit_training"):
+    with asking(caller="peft.prepare_model_for_kbit_training"):
         return wrapped(*args, **kwargs)
 
 

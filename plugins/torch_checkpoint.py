@@ -9,9 +9,8 @@ others are decided by the rules below, from the call's own arguments, and the ca
 """
 from __future__ import annotations
 
-from gcpatch import checkpoint_call
-from gcpatch.hookspecs import hookimpl
-from gcpatch.schema import (
+from gcpatch import checkpoint_call, reentrant_grads
+from gcpatch.plugin import (
     CRASH,
     LIFT_BOUND_TENSORS,
     REQUIRED,
@@ -23,6 +22,7 @@ from gcpatch.schema import (
     PluginInfo,
     Rule,
     Vote,
+    hookimpl,
 )
 
 RULES = (
@@ -54,6 +54,12 @@ RULES = (
          "reentrant backward reaches it exactly (transformers' Mllama cross-attention states passed by keyword)",
          "torch/utils/checkpoint.py (CheckpointFunction.backward: torch.autograd.backward(outputs, args)), "
          "transformers/models/mllama/modeling_mllama.py (cross_attention_states=...)"),
+    Rule("CK6", "torch.autograd.grad or backward(inputs=...) through a graph that holds reentrant checkpoints "
+         "(torch refuses them there), asking for leaf tensors' gradients, no process group -> fix mode takes those "
+         "gradients by one ordinary backward into .grad and gives every other .grad back, which is what the call "
+         "returns under non-reentrant; known only when the gradients are taken. Elsewhere torch's error carries "
+         "the note naming use_reentrant=False", "torch/utils/checkpoint.py (CheckpointFunction.backward: "
+         "'torch.utils.checkpoint is incompatible with .grad()'), gcpatch/reentrant_grads.py", documents=True),
 )
 
 INFO = PluginInfo(name="torch", framework="torch", versions=">=2.0,<3", rules=RULES, proven="==2.13.*")
@@ -67,7 +73,11 @@ def gcpatch_plugin_info() -> PluginInfo:
 @hookimpl
 def gcpatch_patch_points() -> list[PatchPoint]:
     return [PatchPoint("torch.utils.checkpoint", "checkpoint", checkpoint_call.run, copies=True,
-                       guarded=True, why="CK1-CK4: the call every checkpointing path makes")]
+                       guarded=True, why="CK1-CK5: the call every checkpointing path makes"),
+            PatchPoint("torch.autograd", "grad", reentrant_grads.grad, guarded=True,
+                       why="CK6: gradients asked for through reentrant checkpoints"),
+            PatchPoint("torch.autograd", "backward", reentrant_grads.backward, guarded=True,
+                       why="CK6: backward(inputs=...) through reentrant checkpoints")]
 
 
 @hookimpl

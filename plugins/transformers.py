@@ -20,9 +20,7 @@ import sys
 from typing import Any
 
 from gcpatch import apply, context
-from gcpatch.hookspecs import hookimpl
-from gcpatch.pipeline import EnableCall, run_disable, run_enable
-from gcpatch.schema import (
+from gcpatch.plugin import (
     EVAL_MODE_FIX,
     INPUT_GRADS_HOOK,
     NO_MEMORY_SAVED,
@@ -32,12 +30,16 @@ from gcpatch.schema import (
     USE_REENTRANT,
     WRONG_GRADIENTS,
     ZERO3_NONREENTRANT_RECOMPUTE,
+    EnableCall,
     Facts,
     PatchPoint,
     PluginInfo,
     Rule,
     Source,
     Vote,
+    hookimpl,
+    run_disable,
+    run_enable,
 )
 
 _V5_CHOKE = "_activation_checkpointing_enable"

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from gcpatch.hookspecs import hookimpl
-from gcpatch.schema import CRASH, RECOMMENDED, REQUIRED, USE_REENTRANT, Facts, PluginInfo, Rule, Vote
+from gcpatch.plugin import CRASH, RECOMMENDED, REQUIRED, USE_REENTRANT, Facts, PluginInfo, Rule, Vote, hookimpl
 
 _RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer")
 

@@ -12,6 +12,7 @@ gradients' sake) and that the committed table is this grid's.
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import logging
 import sys
@@ -28,7 +29,7 @@ EXTRA = ("none", "leaf_keyword", "graph_keyword", "shared_keyword", "outside_key
          "shared_closure")
 ASKED = (True, None, False)
 GRADS = ("backward", "autograd.grad", "backward(inputs=)")
-# Cells whose outcome can be known only at backward time: how the gradients are taken.
+# Cells whose outcome can be known only at backward time: how the gradients are taken (CK6).
 BACKWARD_TIME = ("autograd.grad", "backward(inputs=)")
 
 
@@ -121,22 +122,24 @@ def forward(cell: Cell, net: Net, ckpt, kw: dict):
     return loss
 
 
-def gradients(cell: Cell, net: Net, loss) -> dict:
+def gradients(cell: Cell, net: Net, loss, gcpatch: bool) -> dict:
+    """The cell's way of taking gradients; torch's own autograd entries unless this is gcpatch's run
+    (gcpatch wraps them for CK6, which the other ways must not get)."""
     params = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    grad, backward = torch.autograd.grad, torch.autograd.backward
+    if not gcpatch:
+        grad, backward = inspect.unwrap(grad), inspect.unwrap(backward)
     if cell.grads == "autograd.grad":
-        got = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+        got = grad(loss, [p for _, p in params], allow_unused=True)
         return {n: g for (n, _), g in zip(params, got)}
-    if cell.grads == "backward(inputs=)":
-        loss.backward(inputs=[p for _, p in params])
-    else:
-        loss.backward()
+    backward(loss, inputs=[p for _, p in params] if cell.grads == "backward(inputs=)" else None)
     return {n: p.grad for n, p in params}
 
 
-def outcome(cell: Cell, ckpt, kw: dict) -> tuple[str, dict | None]:
+def outcome(cell: Cell, ckpt, kw: dict, gcpatch: bool = False) -> tuple[str, dict | None]:
     net = Net(cell, ckpt, kw)
     try:
-        grads = gradients(cell, net, forward(cell, net, ckpt, kw))
+        grads = gradients(cell, net, forward(cell, net, ckpt, kw), gcpatch)
     except Exception as exc:  # noqa: BLE001 (the outcome is the error)
         return f"crash: {type(exc).__name__}", None
     return "ran", grads
@@ -171,7 +174,7 @@ def run(cell: Cell, original, gcpatch_call) -> dict:
     as_called = outcome(cell, original, kw)
     forced = outcome(cell, lambda *a, **k: original(*a, **{**k, "use_reentrant": False}), kw)
     spy = Spy(original)
-    gcpatch = outcome(cell, gcpatch_call(spy, cell), kw)
+    gcpatch = outcome(cell, gcpatch_call(spy, cell), kw, gcpatch=True)
     reentrant = kw.get("use_reentrant", True)
     changed = any(ur is not None and ur != reentrant for ur in spy.calls)
     return {"as_called": _verdict(as_called, ref), "forced": _verdict(forced, ref),
@@ -281,10 +284,6 @@ def table(results: list[tuple[Cell, dict]]) -> str:
 
 
 def _why(cell: Cell, result: dict) -> str:
-    if classify(result) == "worse" and cell.grads in BACKWARD_TIME:
-        return ("known only at backward time: reentrant is kept (as asked, correct for .backward()), and torch "
-                "refuses it inside torch.autograd.grad / backward(inputs=...); gcpatch's note on the exception "
-                "(reentrant_grad) names use_reentrant=False")
     if classify(result) == "overrode" and "closure" in cell.extra:
         return ("CK5: a tensor with a graph reaches the function through a closure, which gcpatch cannot pass "
                 "positionally; reentrant is exact only while nothing else uses that tensor, which the call cannot "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,13 +70,20 @@ def result_of(proc: subprocess.CompletedProcess) -> Any:
 
 def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     """Run a child; a hang shows as returncode None with what it printed before, instead of
-    blocking the suite."""
-    try:
-        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        return subprocess.CompletedProcess(argv, None, out, err + f"\n[timed out after {timeout}s]")  # type: ignore[arg-type]
+    blocking the suite. The child leads its own process group, so a hang's grandchildren (the
+    ranks under torchrun) are stopped with it instead of running on after the suite."""
+    with subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, err = proc.communicate()
+            return subprocess.CompletedProcess(argv, None, out or "", (err or "") + f"\n[timed out after {timeout}s]")  # type: ignore[arg-type]
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def run_python(code: str, cwd: Path | str, args: list[str] | None = None, timeout: float = 300,

@@ -40,7 +40,8 @@ def test_tox_ci_slice_uses_the_table_pairs():
     tox.read(ROOT / "tox.ini")
     deps = tox["testenv"]["deps"].splitlines()
     by_version = {r["transformers"]: r for r in ROWS}
-    envs = [e.strip() for e in tox["tox"]["env_list"].split(",") if e.strip().startswith("tf")]
+    # an env's release is its first factor (tf524-unit and tf524-it run the same release)
+    envs = sorted({e.strip().split("-")[0] for e in tox["tox"]["env_list"].split(",") if e.strip().startswith("tf")})
     pinned = set()
     for env in envs:
         pins = {}
@@ -101,3 +102,12 @@ def test_the_table_names_the_gcpatch_commit_each_release_proved():
                       "R5 eval": {"state": "pass", "n": 1, "skipped": []}}}
     assert module._codes(cell) == "abc1234 (2), - (1)"
     assert module.code_version().split("-")[0]  # a commit, read from this checkout
+
+
+def test_tox_core_files_are_the_matrix_core_columns():
+    """CI's tf457/tf4352 run the matrix's core columns: the same test files as `matrix/run.py`'s CORE."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    module = runner()
+    core = [f for name, _, files in module.RULES if name in module.CORE for f in files]
+    assert tox["core"]["files"].split() == core

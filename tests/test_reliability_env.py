@@ -30,6 +30,7 @@ BAD = [
     ("RANK", "abc", "RANK='abc' is not an integer; gcpatch uses 0"),
     ("WORLD_SIZE", "two", "WORLD_SIZE='two' is not an integer; gcpatch uses 1"),
     ("GCPATCH_LOCAL_PLUGINS", "maybe", "GCPATCH_LOCAL_PLUGINS='maybe' is neither 1 nor 0"),
+    ("GCPATCH_MEMORY_BUDGET", "lots", "GCPATCH_MEMORY_BUDGET='lots' is neither a fraction like 0.5 nor a size like 6GiB or 800MB; no budget is applied"),
 ]
 
 

@@ -39,4 +39,7 @@ def test_framework_warnings_name_the_same_source_with_and_without_gcpatch(tmp_pa
     ours, caught = _sources(tmp_path, "1")
     assert ("<string>", 9) in plain  # DDP's FutureWarning names the user's line
     assert ours == plain, caught
-    assert not any("gcpatch" in file for file, _, _ in caught), caught
+    # by the folder the file lies in, not a search of the whole path: a checkout in a folder named
+    # gcpatch (git's default) holds the test envs' torch too
+    assert not any(place.split("/")[0] in ("gcpatch", "gcpatch_plugins") or place.endswith("_gcpatch_startup.py")
+                   for place, _ in ours), caught

@@ -1,7 +1,10 @@
 """One training step of a model whose checkpointing is wrong in a way no call-site rule sees: the
 layers take their hidden states by keyword (_kwarg_model.py), reentrant is asked, and the run
-blocks gcpatch's torch plugin (GCPATCH_DISABLE_PLUGINS=torch), so only verify can find it. Ordinary
-user code: nothing here imports gcpatch.
+blocks gcpatch's torch plugin (GCPATCH_DISABLE_PLUGINS=torch), so only verify can find it. With
+--offloader the layers checkpoint through a tool's own reentrant-only function in place of
+transformers' `checkpoint` (as offloading checkpointers do), which no use_reentrant can correct;
+--no-checkpointing is the same step with checkpointing never enabled. Ordinary user code: nothing
+here imports gcpatch.
 
 Prints the first step's figures as digests, so that two runs compare bit for bit: the gradients,
 the optimizer state after the step, the loss, and the RNG state after the step; and how many
@@ -21,7 +24,38 @@ from _kwarg_model import build  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--reentrant", choices=("true", "false"), required=True)
+parser.add_argument("--offloader", action="store_true")
+parser.add_argument("--no-checkpointing", action="store_true")
 args = parser.parse_args()
+
+
+class _Offload(torch.autograd.Function):
+    """A reentrant-only checkpoint of its own (no RNG state kept, positional inputs only)."""
+
+    @staticmethod
+    def forward(ctx, run, *inputs):
+        ctx.run = run
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return run(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.run(*inputs)
+        torch.autograd.backward(out, grads)
+        return (None, *(t.grad for t in inputs))
+
+
+def offload_checkpoint(function, *inputs, use_reentrant=None, **kwargs):
+    return _Offload.apply(function, *inputs)
+
+
+if args.offloader:
+    import transformers.modeling_utils
+
+    transformers.modeling_utils.checkpoint = offload_checkpoint
 
 
 def digest(tensors) -> str:
@@ -33,7 +67,8 @@ def digest(tensors) -> str:
 
 model = build()
 model.train()
-model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"})
+if not args.no_checkpointing:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"})
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 torch.manual_seed(5)
 ids = torch.randint(0, model.config.vocab_size, (4, 12))

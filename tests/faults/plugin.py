@@ -10,8 +10,7 @@ no votes.
 """
 import os
 
-from gcpatch.hookspecs import hookimpl
-from gcpatch.schema import REQUIRED, USE_REENTRANT, PatchPoint, PluginInfo, Vote
+from gcpatch.plugin import REQUIRED, USE_REENTRANT, PatchPoint, PluginInfo, Vote, hookimpl
 
 
 

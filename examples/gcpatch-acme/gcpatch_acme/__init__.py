@@ -1,8 +1,7 @@
 """gcpatch-acme: an example third-party gcpatch plugin with one rule of its own (ACME1)."""
 from __future__ import annotations
 
-from gcpatch.hookspecs import hookimpl
-from gcpatch.schema import REQUIRED, USE_REENTRANT, WRONG_GRADIENTS, Facts, PatchPoint, PluginInfo, Rule, Vote
+from gcpatch.plugin import REQUIRED, USE_REENTRANT, WRONG_GRADIENTS, Facts, PatchPoint, PluginInfo, Rule, Vote, hookimpl
 
 RULES = (
     Rule("ACME1", "Acme model classes keep state the reentrant recompute does not restore -> non-reentrant",

@@ -1,0 +1,174 @@
+"""An 8-layer tiny Llama (hidden 32, batch 2, sequence 64, attention dropout on) trained one step,
+once without checkpointing and then once per memory budget with `gradient_checkpointing_enable()`,
+each budget set in the environment (GCPATCH_MEMORY_BUDGET) before its model is built. Ordinary
+user code: nothing here imports gcpatch. It measures by itself what each first step's forward holds
+for the backward (every storage an operator allocated that is still alive after the forward, with
+a dispatch mode of its own), how many layers its backward recomputes, and compares every gradient
+with the run without checkpointing.
+
+usage: budget_train.py --setup loop|trainer|lora --budgets 0.6,0.25,0.01[,unset]
+  loop:    a plain training loop
+  trainer: transformers' Trainer, gradient_checkpointing=True (a first-step probe optimizer)
+  lora:    PEFT LoRA (get_peft_model after gradient_checkpointing_enable)
+  unset:   the budget variable removed (checkpointing as without it)
+prints one line: RESULT {json}
+"""
+import argparse
+import hashlib
+import os
+import tempfile
+import warnings
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import _common as c
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+BATCH, SEQ, LAYERS = 2, 64, 8
+
+
+class HeldBytes(TorchDispatchMode):
+    """Storages allocated by operators inside the `with`; `alive()` sums those still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in _flat((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in _flat(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                s = t.untyped_storage()
+                self.made[s._cdata] = (StorageWeakRef(s), s.nbytes())
+        return out
+
+    def alive(self):
+        return sum(n for ref, n in self.made.values() if not ref.expired())
+
+
+def _flat(value):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flat(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flat(v)
+    else:
+        yield value
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=c.VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                        attention_dropout=0.1, tie_word_embeddings=False, use_cache=False))
+
+
+class Recomputes:
+    """Counts the layers whose MLP runs during the backward: a recomputed layer."""
+
+    def __init__(self, model):
+        self.backward = False
+        self.count = 0
+        for layer in decoder_layers(model):
+            layer.mlp.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        if self.backward:
+            self.count += 1
+
+
+def decoder_layers(model):
+    return [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(b"none" if t is None else t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def ids():
+    gen = torch.Generator().manual_seed(5)
+    return torch.randint(0, c.VOCAB, (BATCH, SEQ), generator=gen)
+
+
+def loop_step(budget):
+    model = llama()
+    if budget is not None:
+        model.gradient_checkpointing_enable()
+    if ARGS.setup == "lora":
+        model = c.lora(model)
+        c.trained_lora_b(model)
+    model.train()
+    counter = Recomputes(model)
+    batch = ids()
+    torch.manual_seed(11)
+    with HeldBytes() as held:
+        loss = model(input_ids=batch, labels=batch).loss
+    nbytes = held.alive()
+    counter.backward = True
+    loss.backward()
+    return model, nbytes, counter.count, c.trainable_grads(model), torch.rand(2).tolist()
+
+
+def trainer_step(budget):
+    from transformers import Trainer, TrainingArguments
+
+    model = llama()
+    held = []
+
+    class MeasuringTrainer(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            with HeldBytes() as mode:
+                loss = super().compute_loss(model, inputs, *args, **kwargs)
+            held.append(mode.alive())
+            counter.backward = True
+            return loss
+
+    counter = Recomputes(model)
+    probe = c.FirstStepProbe(model)
+    out = tempfile.mkdtemp(prefix="budget-trainer-")
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH, max_steps=1, report_to=[],
+                             gradient_checkpointing=budget is not None, save_strategy="no", max_grad_norm=0.0,
+                             use_cpu=True, logging_strategy="no", seed=11, disable_tqdm=True)
+    MeasuringTrainer(model=model, args=args, train_dataset=c.Batch(ids()), optimizers=(probe, None)).train()
+    return model, held[0], counter.count, probe.grads, torch.rand(2).tolist()
+
+
+def main() -> None:
+    global ARGS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--setup", choices=("loop", "trainer", "lora"), default="loop")
+    parser.add_argument("--budgets", default="0.6,0.25,0.01")
+    ARGS = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    step = trainer_step if ARGS.setup == "trainer" else loop_step
+    os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
+    _, ref_bytes, ref_recomputed, ref_grads, ref_rng = step(None)
+    cases = {}
+    for budget in ARGS.budgets.split(","):
+        if budget == "unset":
+            os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
+        else:
+            os.environ["GCPATCH_MEMORY_BUDGET"] = budget
+        model, nbytes, recomputed, grads, rng_after = step(budget)
+        compared = c.compare_grads(grads, ref_grads, atol=0.0)
+        diff = max((float((g - ref_grads[n]).abs().max()) for n, g in grads.items() if g is not None), default=0.0)
+        cases[budget] = {"held_bytes": nbytes, "fraction": nbytes / ref_bytes, "recomputed": recomputed,
+                         "flags": [bool(getattr(m, "gradient_checkpointing", False)) for m in decoder_layers(model)],
+                         "wrong": compared["wrong"], "grad_none": compared["grad_none"], "max_abs_diff": diff,
+                         "trainable": compared["trainable"], "grads": digest(grads.values()), "rng_after": rng_after}
+    os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
+    c.emit({"scenario": "budget_train", "setup": ARGS.setup, "reference_bytes": ref_bytes,
+            "reference_recomputed": ref_recomputed, "reference_rng_after": ref_rng, "cases": cases})
+
+
+if __name__ == "__main__":
+    main()

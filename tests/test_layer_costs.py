@@ -1,0 +1,66 @@
+"""The budget's instrument (gcpatch/layer_costs.py): the bytes a forward leaves alive for its
+backward, per layer, on a stack whose saved tensors are known by hand."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gcpatch import layer_costs  # noqa: E402
+from gcpatch.budget import solve  # noqa: E402
+
+WIDTH, BATCH = 8, 3
+F32 = 4
+
+
+class Block(torch.nn.Module):
+    """relu(W2 relu(W1 x)), W1 widening 4x. ReLU saves its output and the next Linear its input
+    (the same storage), so a plain block holds its hidden relu (4*WIDTH floats a row) and its
+    output (WIDTH); the Linear outputs die. Checkpointed, it holds its output only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = torch.nn.Linear(4 * WIDTH, WIDTH)
+        self.checkpointed = False
+
+    def forward(self, x):
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
+        return self._body(x)
+
+    def _body(self, x):
+        return torch.relu(self.down(torch.relu(self.up(x))))
+
+
+def _stack(n: int = 4):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(Block() for _ in range(n)))
+
+
+def test_measured_bytes_are_the_saved_tensors_extrapolated_to_the_batch():
+    model = _stack()
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    measured = layer_costs.measure(model, list(model), lambda rows: model(x[:rows]), BATCH, ["Block"] * 4)
+    assert measured.rows == [1, 2]
+    for layer in measured.layers:
+        assert layer.plain == BATCH * 5 * WIDTH * F32
+        assert layer.checkpointed == BATCH * WIDTH * F32
+        assert layer.seconds > 0
+    assert len({layer.seconds for layer in measured.layers}) == 1  # one kind, one averaged recompute cost
+    assert measured.outside == 0  # x was made before the forward: not the forward's to hold
+
+
+def test_a_plan_holds_what_it_predicts():
+    model = _stack()
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    measured = layer_costs.measure(model, list(model), lambda rows: model(x[:rows]), BATCH, ["Block"] * 4)
+    plan = solve(measured.layers, measured.outside, 0.5 * measured.plain_total)
+    assert plan.count == 3  # each checkpointed block sheds 4/5 of its bytes: 3 of 4 reach 50%
+    for block, flag in zip(model, plan.checkpoint):
+        block.checkpointed = flag
+    with layer_costs.held_bytes() as held:
+        out = model(x)
+    assert held.total() == plan.total
+    out.sum().backward()  # the checkpointed stack still trains
+    assert all(p.grad is not None for p in model.parameters())
