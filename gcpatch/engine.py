@@ -28,8 +28,8 @@ def _v5(module: Any) -> bool:  # 5.23's choke point of both enable names
 
 # The built-in plugins' patch points: (plugin, module, target, copies, applies or None). Pinned to
 # the plugins' own declarations (gcpatch_patch_points: the same points, the same `applies` on the
-# installed release) by tests/test_patch_points.py; a third-party plugin's points are registered
-# when the plugins load.
+# installed release) by tests/test_patch_points.py, with LOAD_TIME_POINTS below; a third-party
+# plugin's points are registered when the plugins load.
 _TF = "transformers.modeling_utils"
 BUILTIN_POINTS: tuple[tuple[str, str, str, bool, Callable[[Any], bool] | None], ...] = (
     ("torch", "torch.utils.checkpoint", "checkpoint", True, None),
@@ -54,6 +54,11 @@ BUILTIN_POINTS: tuple[tuple[str, str, str, bool, Callable[[Any], bool] | None], 
     ("fsdp", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "apply_activation_checkpointing", True,
      None),
 )
+# Points no call through which needs the plugins before a checkpoint call loaded them (CK6 looks at
+# a gradient call only once a reentrant checkpoint ran): registered when the plugins load, so a
+# process that never checkpoints keeps torch.autograd's own functions.
+LOAD_TIME_POINTS = frozenset({("torch.autograd", "grad"), ("torch.autograd", "backward")})
+
 # Points that act only on what a decision left (R6's use_cache in what is saved): a call through one
 # does not load the plugins (a script that only reads a config pays nothing).
 QUIET_POINTS = frozenset({("transformers.configuration_utils", "PretrainedConfig.to_dict"),
