@@ -2,8 +2,9 @@
 
 The watcher lives in the start-up module (`_gcpatch_startup`), so GCPATCH=1 costs one small module
 at interpreter start-up; this package loads when a framework is first imported, or when the user
-imports it. Either way the engine (wrapt, pluggy, entry points) starts only once a framework is
-imported, and never imports one itself.
+imports it. Either way the engine is armed only once a framework is imported (its patch points
+registered by name), never imports one itself, and loads the plugins (pluggy, entry points) at the
+first call through a patch point.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def _start_engine() -> None:
     try:
         from gcpatch import engine
 
-        engine.start()
+        engine.arm()  # the plugins load at the first call through a patch point
     except Exception as exc:  # fail open: one line, the frameworks' own behaviour
         if settings.read().strict:
             raise

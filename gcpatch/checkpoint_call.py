@@ -78,7 +78,7 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
     The hot path: a correct call costs the facts it needs and a dictionary look-up, never a
     plugin call. gcpatch's own failures leave the call as made (one log line); the host's
     exceptions pass through untouched."""
-    if not args:
+    if not args or _compiling():
         return original(*args, **kwargs)
     function = args[0]
     try:
@@ -100,6 +100,16 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
     if USE_REENTRANT not in kwargs:  # torch warns with stacklevel=2: let it name the caller, not gcpatch
         return call_from(user_frame(), original, (_inside_checkpoint(function), *args[1:]), kwargs)
     return original(_inside_checkpoint(function), *args[1:], **kwargs)
+
+
+def _compiling() -> bool:
+    """torch.compile is tracing this call: it runs as called, so nothing here breaks the graph (the
+    context variable, frame walks, the caches). Dynamo turns the call into its checkpoint operator,
+    which recomputes inside the compiled backward whatever use_reentrant says: the inputs that need
+    no gradient cannot cost a layer its gradients there (CK1's failure is eager reentrant's own).
+    A frame dynamo gives back to eager runs this wrapper eagerly, and is decided as usual."""
+    torch = _torch or _bind_torch()
+    return torch.compiler.is_compiling()
 
 
 def _outcome_of(function: Any, args: tuple, kwargs: dict) -> _Outcome:

@@ -118,7 +118,7 @@ class DecisionContext:
 
     def chosen(self, use_reentrant: Any) -> dict[str, Any]:
         """The kwargs the framework's enable runs with: the ask, with the decided use_reentrant."""
-        return {**(self.asked or {}), USE_REENTRANT: use_reentrant}
+        return {**(self.asked or {}), USE_REENTRANT.value: use_reentrant}  # a plain str key: dynamo reads it
 
     def commit(self, entry: dict[str, Any]) -> None:
         """Remember what this call leaves for later ones: the user's explicit ask (never a

@@ -11,20 +11,22 @@ import logging
 import sys
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import wrapt
 
 from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
-from gcpatch.schema import PatchPoint
+
+if TYPE_CHECKING:  # not imported at run time: arming (at the first framework import) stays cheap
+    from gcpatch.schema import PatchPoint
 
 log = logging.getLogger("gcpatch")
 
 
 @dataclass
 class Installed:
-    point: PatchPoint
+    point: Any  # the plugin's PatchPoint; an _ArmedPoint until its plugin is loaded
     plugin: str
     owner: Any
     attr: str
@@ -33,23 +35,66 @@ class Installed:
     inherited: bool
     copies: list[_Binding]
     replaced: list[tuple[Any, str, Any, Any]] = field(default_factory=list)  # (owner, name, theirs, our wrapper)
+    deferred: _Deferred | None = None  # armed by name: what the wrapper calls, bound when the plugin loads
 
 
 class Patcher:
-    def __init__(self, strict: bool = False) -> None:
+    """Owns every installed patch point of the process.
+
+    A point is either registered with its plugin's `PatchPoint` (the plugin is loaded), or armed by
+    name before any plugin is loaded (`arm`): then its wrapper calls a `_Deferred` whose first call
+    asks `on_first_call` to load the plugins, which register their points and so bind it. `settle`
+    puts back what no loaded plugin claimed."""
+
+    def __init__(self, strict: bool = False, on_first_call: Callable[[], Any] | None = None,
+                 traced: frozenset[tuple[str, str]] = frozenset()) -> None:
         self.installed: dict[tuple[str, str], Installed] = {}
         self.not_applicable: dict[tuple[str, str], str] = {}
         self._registered: set[tuple[str, str]] = set()
+        self._points: dict[tuple[str, str], tuple[PatchPoint, str]] = {}
+        self._armed: set[tuple[str, str]] = set()
+        self._settled = False
         self._stopped = False
         self._strict = strict
+        self._on_first_call = on_first_call
+        self._traced = traced  # points torch.compile traces through: wrapped by a plain function
+
+    def arm(self, module: str, target: str, plugin: str, copies: bool = False,
+            applies: Callable[[Any], bool] | None = None, wakes: bool = True) -> None:
+        """Wrap `module.target` when `module` is imported, before its plugin is loaded. A call
+        through it loads the plugins, unless `wakes` is False: such a point acts only on what a
+        decision left, and runs as called until something else loaded them. `applies` is the
+        plugin's own test of the release (X1), asked at the import."""
+        key = (module, target)
+        if key in self._armed or key in self._registered:
+            return
+        self._armed.add(key)
+        wrapt.register_post_import_hook(
+            lambda loaded: self._install_armed(loaded, key, plugin, copies, applies, wakes), module)
 
     def register(self, point: PatchPoint, plugin: str) -> None:
-        """Install `point` when its module is imported (now, if it already is)."""
+        """Install `point` when its module is imported (now, if it already is); a point armed by
+        name gets the plugin's wrapper."""
         key = (point.module, point.target)
         if key in self._registered:
             return
         self._registered.add(key)
-        wrapt.register_post_import_hook(lambda module: self._install(module, point, plugin), point.module)
+        self._points[key] = (point, plugin)
+        item = self.installed.get(key)
+        if item is not None and item.deferred is not None:
+            self._bind(key, item, point, plugin)
+        elif key not in self._armed:
+            wrapt.register_post_import_hook(lambda module: self._install(module, point, plugin), point.module)
+
+    def settle(self) -> None:
+        """The plugins are loaded: every armed point no active plugin registered (blocked, out
+        of its version range, failed) is put back, and later imports arm nothing more."""
+        self._settled = True
+        for key, item in list(self.installed.items()):
+            if item.deferred is not None and item.deferred.call is None:
+                item.deferred.call = _passthrough
+                self._restore(item)
+                del self.installed[key]
 
     def _install(self, module: Any, point: PatchPoint, plugin: str) -> None:
         key = (point.module, point.target)
@@ -65,7 +110,7 @@ class Patcher:
             if getattr(original, "_self_gcpatch", False):
                 return  # already ours (the start-up line ran twice)
             guard = point.wrapper if point.guarded else _fail_open(point, plugin, self._strict)
-            wrapper = _GcpatchWrapper(original, guard)
+            wrapper = self._wrap(key, original, guard)
             setattr(owner, attr, wrapper)
             copies = _replace_copies(original, wrapper) if point.copies else []
             self.installed[key] = Installed(point, plugin, owner, attr, original, wrapper, inherited, copies)
@@ -73,6 +118,69 @@ class Patcher:
             if self._strict:
                 raise GcpatchError(f"could not patch {point.module}.{point.target}: {exc}", rule=f"plugin:{plugin}") from exc
             log.error("gcpatch: %s.%s left unpatched (%s: %s)", point.module, point.target, type(exc).__name__, exc)
+
+    def _install_armed(self, module: Any, key: tuple[str, str], plugin: str, copies: bool,
+                       applies: Callable[[Any], bool] | None, wakes: bool) -> None:
+        if key in self._points:
+            point, plugin = self._points[key]
+            self._install(module, point, plugin)
+            return
+        if self._stopped or self._settled or key in self.installed:
+            return
+        try:
+            if applies is not None and not applies(module):
+                self.not_applicable[key] = "not in this version"
+                return
+            owner, attr = _resolve(module, key[1])
+            inherited = attr not in vars(owner)
+            original = getattr(owner, attr) if inherited else vars(owner)[attr]
+            if getattr(original, "_self_gcpatch", False):
+                return  # already ours (the start-up line ran twice)
+            deferred = _Deferred(self, wakes)
+            wrapper = self._wrap(key, original, deferred)
+            setattr(owner, attr, wrapper)
+            bindings = _replace_copies(original, wrapper) if copies else []
+            self.installed[key] = Installed(_ArmedPoint(key[0], key[1], copies), plugin, owner, attr, original,
+                                            wrapper, inherited, bindings, deferred=deferred)
+        except Exception as exc:
+            if self._strict:
+                raise GcpatchError(f"could not patch {key[0]}.{key[1]}: {exc}", rule=f"plugin:{plugin}") from exc
+            log.error("gcpatch: %s.%s left unpatched (%s: %s)", key[0], key[1], type(exc).__name__, exc)
+
+    def _bind(self, key: tuple[str, str], item: Installed, point: PatchPoint, plugin: str) -> None:
+        deferred = item.deferred
+        try:
+            applies = point.applies(sys.modules[point.module])
+        except Exception as exc:
+            if self._strict:
+                raise GcpatchError(f"could not patch {point.module}.{point.target}: {exc}", rule=f"plugin:{plugin}") from exc
+            log.error("gcpatch: %s.%s left unpatched (%s: %s)", point.module, point.target, type(exc).__name__, exc)
+            applies = False
+        if not applies:
+            self.not_applicable[key] = "not in this version"
+            deferred.call = _passthrough
+            self._restore(item)
+            del self.installed[key]
+            return
+        deferred.call = point.wrapper if point.guarded else _fail_open(point, plugin, self._strict)
+        item.point, item.plugin = point, plugin
+
+    def first_call(self, deferred: _Deferred) -> Callable[..., Any]:
+        """An armed point is called before the plugins are loaded: load them (once, whichever
+        point is called first), and return what that point runs now."""
+        if self._on_first_call is not None and not self._stopped:
+            try:
+                self._on_first_call()
+            except GcpatchError:
+                raise
+            except Exception as exc:
+                if self._strict:
+                    raise GcpatchError(f"gcpatch's plugins could not be loaded: {type(exc).__name__}: {exc}",
+                                       rule="gcpatch:engine") from exc
+                log.error("gcpatch: plugins not loaded, frameworks run unpatched (%s: %s)", type(exc).__name__, exc)
+                self.uninstall_all()
+        # None while the plugins are still loading (a call made by the loading itself): as called
+        return deferred.call or _passthrough
 
     def reinstate(self) -> list[str]:
         """Wrap again where another tool rebound one of gcpatch's patch points (a monkeypatch that
@@ -86,7 +194,7 @@ class Patcher:
                 current = vars(owner).get(name)
                 if current is None or getattr(current, "_self_gcpatch", False) or _runs(current, item.wrapper):
                     continue
-                wrapper = _GcpatchWrapper(current, item.wrapper._self_wrapper)
+                wrapper = self._wrap(key, current, item.wrapper._self_wrapper)
                 setattr(owner, name, wrapper)
                 item.replaced.append((owner, name, current, wrapper))
                 for copy in _replace_copies(current, wrapper) if item.point.copies else ():  # its re-exports
@@ -102,18 +210,73 @@ class Patcher:
         """Put every original back, by identity, where our wrapper still stands."""
         self._stopped = True
         for item in self.installed.values():
-            for owner, name, replacement, wrapper in item.replaced:
-                if vars(owner).get(name) is wrapper:
-                    setattr(owner, name, replacement)
-            for binding in item.copies:
-                binding.restore(item.original, item.wrapper)
-            if vars(item.owner).get(item.attr) is not item.wrapper:
-                continue  # someone wrapped over us: leave their object alone
-            if item.inherited:
-                delattr(item.owner, item.attr)
-            else:
-                setattr(item.owner, item.attr, item.original)
+            if item.deferred is not None and item.deferred.call is None:
+                item.deferred.call = _passthrough
+            self._restore(item)
         self.installed.clear()
+
+    def _wrap(self, key: tuple[str, str], original: Any, guard: Callable[..., Any]) -> Any:
+        if key in self._traced and isinstance(original, types.FunctionType):
+            return _function_wrapper(original, guard)
+        return _GcpatchWrapper(original, guard)
+
+    @staticmethod
+    def _restore(item: Installed) -> None:
+        for owner, name, replacement, wrapper in item.replaced:
+            if vars(owner).get(name) is wrapper:
+                setattr(owner, name, replacement)
+        for binding in item.copies:
+            binding.restore(item.original, item.wrapper)
+        if vars(item.owner).get(item.attr) is not item.wrapper:
+            return  # someone wrapped over us: leave their object alone
+        if item.inherited:
+            delattr(item.owner, item.attr)
+        else:
+            setattr(item.owner, item.attr, item.original)
+
+
+class _ArmedPoint:
+    """What is known of a point armed by name, until its plugin's PatchPoint replaces it."""
+
+    def __init__(self, module: str, target: str, copies: bool) -> None:
+        self.module, self.target, self.copies, self.why = module, target, copies, ""
+
+
+class _Deferred:
+    """The wrapper (wrapt's protocol) of a point armed before the plugins are loaded: its first
+    call loads them; from then on it runs the plugin's wrapper (`call`), or the original where no
+    plugin claimed the point. One attribute read per call on top of the plugin's own wrapper."""
+
+    __slots__ = ("call", "_patcher", "_wakes")
+
+    def __init__(self, patcher: Patcher, wakes: bool = True) -> None:
+        self.call: Callable[..., Any] | None = None
+        self._patcher = patcher
+        self._wakes = wakes
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        call = self.call
+        if call is None:
+            call = self._patcher.first_call(self) if self._wakes else _passthrough
+        return call(wrapped, instance, args, kwargs)
+
+
+def _passthrough(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    return wrapped(*args, **kwargs)
+
+
+def _function_wrapper(original: Callable[..., Any], guard: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain function standing for `original` (wrapt's wrapper protocol inside). torch.compile
+    inlines a Python function, where a wrapt proxy is opaque to it: a graph break at every call
+    (each checkpointed layer). A function copies as itself and pickles by its qualified name."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return guard(original, None, args, kwargs)
+
+    functools.update_wrapper(wrapper, original)  # name, module, qualname, doc, attributes, __wrapped__
+    wrapper._self_gcpatch = True
+    wrapper._self_wrapper = guard
+    return wrapper
 
 
 def _runs(current: Any, wrapper: Any) -> bool:

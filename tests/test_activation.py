@@ -49,10 +49,10 @@ def test_first_framework_import_starts_gcpatch(tmp_path):
         import json, sys
         import torch.utils.checkpoint as cp
         print("RESULT " + json.dumps({"active": sys.modules["gcpatch"].is_active(),
-                                      "patched": type(cp.checkpoint).__name__,
+                                      "patched": getattr(cp.checkpoint, "_self_gcpatch", False),
                                       "watchers": sum("gcpatch" in repr(f) for f in sys.meta_path)}))
     """, tmp_path, GCPATCH="1")
-    assert result_of(proc) == {"active": True, "patched": "_GcpatchWrapper", "watchers": 0}, proc.stderr
+    assert result_of(proc) == {"active": True, "patched": True, "watchers": 0}, proc.stderr
 
 
 def test_zero_switches_an_explicit_import_off(tmp_path):

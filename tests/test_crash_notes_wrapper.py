@@ -12,6 +12,9 @@ pytestmark = requires_transformers
 def test_unknown_errors_are_untouched_and_the_wrapper_comes_and_goes(tmp_path):
     code = """
 import json, torch, transformers, gcpatch
+import torch.utils.checkpoint as cp
+armed = getattr(torch.autograd.backward, "_gcpatch_explained", False)  # nothing but the patch points yet
+cp.checkpoint(torch.nn.Identity(), torch.ones(1), use_reentrant=False)  # the first call loads the plugins
 wrapped = torch.autograd.backward
 x = torch.ones(2, requires_grad=True)
 try:
@@ -19,12 +22,12 @@ try:
 except RuntimeError as exc:
     notes = list(getattr(exc, "__notes__", []))
 gcpatch.deactivate()
-print("RESULT " + json.dumps({"wrapped": getattr(wrapped, "_gcpatch_explained", False), "notes": notes,
+print("RESULT " + json.dumps({"armed": armed, "wrapped": getattr(wrapped, "_gcpatch_explained", False), "notes": notes,
       "restored": not getattr(torch.autograd.backward, "_gcpatch_explained", False),
       "original_name": torch.autograd.backward.__module__}))
 """
     r = result_of(run_python(code, tmp_path, GCPATCH="1"))
-    assert r == {"wrapped": True, "notes": [], "restored": True, "original_name": "torch.autograd"}
+    assert r == {"armed": False, "wrapped": True, "notes": [], "restored": True, "original_name": "torch.autograd"}
 
 
 def test_not_wrapped_without_gcpatch(tmp_path):

@@ -113,3 +113,54 @@ m(input_ids=ids, labels=ids).loss.backward()
 print("RESULT " + json.dumps([before, waiting, hooks()]))
 """, tmp_path, GCPATCH="1"))
     assert result == [1, 1, 0]  # a no_grad forward does not count as the first training step
+
+
+def test_points_armed_by_name_are_the_plugins_own(tmp_path):
+    """The engine arms the built-in plugins' points by name at the first framework import, before
+    any plugin loads (engine.BUILTIN_POINTS): the same points, copies and release test as the
+    plugins declare, so deferring the plugins changes nothing that gets wrapped."""
+    result = result_of(run_python("""
+        import importlib, json, sys
+        from importlib import metadata
+        from gcpatch import engine
+        declared, applies = set(), []
+        for ep in metadata.entry_points(group="gcpatch.plugins"):
+            if not ep.value.startswith("gcpatch_plugins."):
+                continue
+            plugin = ep.load()
+            for p in getattr(plugin, "gcpatch_patch_points", lambda: [])():
+                declared.add((ep.name, p.module, p.target, p.copies))
+                if p.module.startswith("transformers"):
+                    module = importlib.import_module(p.module)
+                    applies.append([p.target, p.applies(module)])
+        armed = {point[:4] for point in engine.BUILTIN_POINTS}
+        load_time = engine.LOAD_TIME_POINTS <= {(p[1], p[2]) for p in declared}
+        declared = {p for p in declared if (p[1], p[2]) not in engine.LOAD_TIME_POINTS}
+        tests = {(m, t): a for _, m, t, _, a in engine.BUILTIN_POINTS}
+        armed_applies = [[t, tests[(m, t)] is None or tests[(m, t)](sys.modules[m])]
+                         for m, t in [(p[1], p[2]) for p in sorted(declared)] if m.startswith("transformers")]
+        print("RESULT " + json.dumps({"load_time": load_time, "only_declared": sorted(map(list, declared - armed)),
+                                      "only_armed": sorted(map(list, armed - declared)),
+                                      "applies": sorted(applies), "armed_applies": sorted(armed_applies)}))
+    """, tmp_path, GCPATCH="0"))
+    assert result["only_declared"] == [] and result["only_armed"] == [] and result["load_time"] is True
+    assert result["applies"] == result["armed_applies"]
+
+
+def test_a_framework_import_loads_no_plugin_until_a_call(tmp_path):
+    """Importing torch and transformers under GCPATCH=1 arms the patch points and loads nothing
+    else (no pluggy, no entry-point scan, no plugin, no crash notes); the first enable loads them."""
+    result = result_of(run_python(TINY + """
+        import json, sys
+        import torch, transformers.modeling_utils, torch.utils.checkpoint as cp
+        loaded = lambda: sorted(m for m in sys.modules if m.startswith(("pluggy", "gcpatch_plugins", "gcpatch.crash_notes",
+                                                                        "gcpatch.manager", "gcpatch.pipeline")))
+        before, armed = loaded(), getattr(cp.checkpoint, "_self_gcpatch", False)
+        m = tiny()
+        m.gradient_checkpointing_enable()
+        print("RESULT " + json.dumps({"before": before, "armed": armed, "after": loaded(),
+                                      "decisions": len(sys.modules["gcpatch"].decisions())}))
+    """.replace("\n        ", "\n"), tmp_path, GCPATCH="1"))
+    assert result["before"] == [] and result["armed"] is True
+    assert "pluggy" in result["after"] and "gcpatch_plugins.transformers" in result["after"]
+    assert "gcpatch.crash_notes" in result["after"] and result["decisions"] == 1
