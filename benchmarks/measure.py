@@ -258,7 +258,7 @@ def bench_startup(cfg: dict, work: Path) -> dict:
         "importtime": gcpatch_importtime_ms(venvs["with"], cfg["importtime_runs"]),
         "importtime_transformers": gcpatch_importtime_ms(venvs["with"], max(1, cfg["import_runs"] // 2),
                                                          "import transformers"),
-        "venvs": {k: str(v) for k, v in venvs.items()},
+        "venvs": {k: os.path.relpath(v, HERE.parent) for k, v in venvs.items()},  # no machine path in results
     }
 
 

@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def torchrun_argv(nproc: int, *script: str) -> list[str]:
     """`python -m torch.distributed.run` (not bin/torchrun: copied venvs keep the old shebang),
-    gloo ranks on this machine."""
+    gloo ranks on the local host."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
             f"--master_port={free_port()}", *script]
 

@@ -111,3 +111,11 @@ def test_tox_core_files_are_the_matrix_core_columns():
     module = runner()
     core = [f for name, _, files in module.RULES if name in module.CORE for f in files]
     assert tox["core"]["files"].split() == core
+
+
+def test_tox_framework_free_envs_run_the_matrix_framework_free_files():
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    command = tox["testenv:py{39,310,312,313}"]["commands"]
+    files = [word for word in command.split() if word.startswith("tests/")]
+    assert files == runner().FRAMEWORK_FREE
