@@ -24,13 +24,20 @@ CELLS = call_grid.cells()
 @pytest.fixture(scope="module")
 def grid():
     """torch's own checkpoint, and gcpatch's call-site decision around it with the engine running."""
+    import logging
+
     from gcpatch import checkpoint_call, engine
 
+    logger = logging.getLogger("gcpatch")
+    kept = (logger.level, logger.propagate, list(logger.handlers))
     original = getattr(torch.utils.checkpoint.checkpoint, "__wrapped__", torch.utils.checkpoint.checkpoint)
     make = call_grid.gcpatch_caller()
     yield original, make
     engine.stop()
     checkpoint_call.reset()
+    logger.setLevel(kept[0])  # the grid quietened gcpatch's logger: the tests after it read its lines
+    logger.propagate = kept[1]
+    logger.handlers[:] = kept[2]
 
 
 @settings(max_examples=int(os.environ.get("GCPATCH_GRID_EXAMPLES", "150")), deadline=None, derandomize=True,
