@@ -4,6 +4,7 @@ docs/LAYOUT.md describes; a new module names its layer here."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gcpatch"
@@ -90,3 +91,11 @@ def test_no_module_imports_a_higher_layer():
     upward = sorted(f"{m} ({LAYERS[level[m]][0]}) imports {d} ({LAYERS[level[d]][0]})"
                     for m, deps in imports().items() for d in deps if m in level and d in level and level[d] > level[m])
     assert upward == []
+
+
+def test_docs_layout_names_every_module_in_its_layer():
+    text = (PACKAGE.parent / "docs" / "LAYOUT.md").read_text(encoding="utf-8")
+    items = re.findall(r"^\d+\. \*\*([a-z ]+)\*\*:(.*?)(?=^\d+\. \*\*|^$)", text, re.M | re.S)
+    documented = {layer: set(re.findall(r"`([a-z_]+)`", body)) for layer, body in items}
+    assert {layer: names - documented.get(layer, set()) for layer, names in LAYERS
+            if names - documented.get(layer, set())} == {}
