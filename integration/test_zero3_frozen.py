@@ -4,9 +4,10 @@ input-grads hook does not cover): the first step's full gradient of every traina
 (safe_get_full_grad) against the no-checkpointing run's.
 
 Plain, reentrant gives the frozen-input blocks no gradient (transformers#21381). With gcpatch:
-DeepSpeed >= 0.19.3 recomputes partitioned frozen parameters non-reentrant, so R1 applies (it
-reads the deepspeed plugin's published gate, `zero3_nonreentrant_recompute`); below that R3's
-reentrant + input-grads hook stands, and R1 stands back.
+DeepSpeed >= 0.19.3 recomputes partitioned frozen parameters non-reentrant, so R1 acts as without
+ZeRO-3 (it reads the deepspeed plugin's published gate, `zero3_nonreentrant_recompute`): the user's
+explicit choice is kept, reentrant exact through R2's input-grads hook; below that R3's reentrant +
+input-grads hook stands, and R1 stands back.
 """
 from __future__ import annotations
 
@@ -66,9 +67,14 @@ def test_zero3_partially_frozen_rule_follows_the_deepspeed_gate(script_runs, cho
     facts = last["facts"]
     assert facts["zero3"] is True and facts["peft"] is False and facts["frozen_params"] > 0
     assert facts["framework_facts"] == {"zero3_nonreentrant_recompute": FIXED}
-    if FIXED:  # R1 knows R3's gate: it applies, as it does without ZeRO-3
-        assert last["applied"]["use_reentrant"] is False
-        assert winner(last) == "R1"  # a required vote that agrees with the user's False is named as the reason
+    if FIXED:  # R1 knows R3's gate and acts as it does without ZeRO-3: the embeddings feed the stack
+        # (here as inputs_embeds), R2's input-grads hook makes reentrant exact, so R1 only recommends
+        # non-reentrant and the user's explicit choice is kept (the gradients test compares them)
+        asked = choice == "true"
+        assert last["applied"]["use_reentrant"] is asked
+        assert winner(last) == "USER"
+        if asked:
+            assert last["applied"]["input_grads_hook"] is True and "R2" in last["rules"]
         assert all("R3" not in rec["rules"] for rec in run.records())
     else:  # R3's reentrant + hook; R1 stands back (a required False would outrank R3 and crash)
         assert last["applied"]["use_reentrant"] is True and last["applied"]["input_grads_hook"] is True

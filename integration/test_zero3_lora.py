@@ -50,9 +50,13 @@ def _expected(choice: str) -> tuple[bool, str]:
     """(applied use_reentrant, rule) the rules give on this DeepSpeed."""
     if not FIXED:
         return True, "R3"
-    # LoRA freezes the base below the adapted blocks: R1, which reads the deepspeed plugin's gate
-    # (zero3_nonreentrant_recompute), applies whatever was asked, as it does without ZeRO-3
-    return False, "R1"
+    # LoRA freezes the base below the adapted blocks; R1 reads the deepspeed plugin's gate
+    # (zero3_nonreentrant_recompute) and acts as it does without ZeRO-3: the embeddings feed the
+    # stack, so R2's input-grads hook makes reentrant exact and R1 only recommends non-reentrant. An
+    # unset ask gets R1's False; an explicit ask is the user's, kept (True: through the hook).
+    if choice == "unset":
+        return False, "R1"
+    return ASKED[choice], "USER"
 
 
 @pytest.mark.parametrize("choice", [pytest.param(x, id=f"use_reentrant={x}") for x in CHOICES])
@@ -78,6 +82,8 @@ def test_zero3_record_says_which_rule_chose(script_runs, choice):
     assert winner(last) == rule
     if FIXED:
         assert all("R3" not in rec["rules"] for rec in run.records())
+        if applied:  # the user's reentrant, exact through the hook (the losses test compares them)
+            assert last["applied"]["input_grads_hook"] is True and "R2" in last["rules"]
     else:
         assert last["applied"]["input_grads_hook"] is True
         if choice == "false":  # fix mode: R3 over the user's False, with a warning
