@@ -293,7 +293,7 @@ def _plugin_entry_points() -> list[metadata.EntryPoint]:
     found: list[metadata.EntryPoint] = []
     seen: set[str] = set()
     for dist in metadata.distributions(path=path):
-        name = _dist_name(dist)
+        name = _dist_key(dist)
         if name in seen:
             continue
         seen.add(name)
@@ -332,6 +332,14 @@ def _site_dirs() -> set[str]:
     dirs.add(getattr(site, "getusersitepackages", lambda: "")())
     dirs.update(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
     return dirs
+
+
+def _dist_key(dist: metadata.Distribution) -> str:
+    """Which distribution this is, for keeping the first of duplicates on sys.path: the name its
+    folder gives (what importlib.metadata's own `entry_points()` dedups by, Python >= 3.10) without
+    parsing every installed distribution's METADATA (about 40 ms in a venv of 70 distributions,
+    paid at the first enable of every process); METADATA's Name where the folder gives none."""
+    return getattr(dist, "_normalized_name", None) or _dist_name(dist).replace("-", "_")
 
 
 def _dist_name(dist: metadata.Distribution) -> str:

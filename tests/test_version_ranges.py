@@ -134,3 +134,16 @@ def test_stub_site_is_a_real_distribution(tmp_path):
         print("RESULT " + json.dumps([metadata.version("stubfw"), eps]))
     """), tmp_path, PYTHONPATH=str(site))
     assert result_of(proc) == ["1.2", ["stub"]]
+
+
+def test_installed_version_reads_what_importlib_metadata_reads_for_every_installed_distribution():
+    """The dist-info folder name stands in for METADATA's Version (the first enable's plugin checks):
+    the same answer for every distribution here, wheels and anything else."""
+    from importlib import metadata
+
+    from gcpatch.facts import installed_version
+
+    names = {d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"]}
+    assert len(names) > 3
+    assert {n: installed_version(n) for n in names} == {n: metadata.version(n) for n in names}
+    assert installed_version("no-such-distribution-gcpatch-test") is None
