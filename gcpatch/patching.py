@@ -69,8 +69,9 @@ class Patcher:
         if key in self._armed or key in self._registered:
             return
         self._armed.add(key)
+        imported = module in sys.modules  # else the hook runs as it loads: nothing else holds it yet
         wrapt.register_post_import_hook(
-            lambda loaded: self._install_armed(loaded, key, plugin, copies, applies, wakes), module)
+            lambda loaded: self._install_armed(loaded, key, plugin, copies, applies, wakes, imported), module)
 
     def register(self, point: PatchPoint, plugin: str) -> None:
         """Install `point` when its module is imported (now, if it already is); a point armed by
@@ -84,7 +85,9 @@ class Patcher:
         if item is not None and item.deferred is not None:
             self._bind(key, item, point, plugin)
         elif key not in self._armed:
-            wrapt.register_post_import_hook(lambda module: self._install(module, point, plugin), point.module)
+            imported = point.module in sys.modules
+            wrapt.register_post_import_hook(lambda module: self._install(module, point, plugin, imported),
+                                            point.module)
 
     def settle(self) -> None:
         """The plugins are loaded: every armed point no active plugin registered (blocked, out
@@ -96,7 +99,7 @@ class Patcher:
                 self._restore(item)
                 del self.installed[key]
 
-    def _install(self, module: Any, point: PatchPoint, plugin: str) -> None:
+    def _install(self, module: Any, point: PatchPoint, plugin: str, imported: bool = True) -> None:
         key = (point.module, point.target)
         if self._stopped or key in self.installed:
             return
@@ -112,7 +115,7 @@ class Patcher:
             guard = point.wrapper if point.guarded else _fail_open(point, plugin, self._strict)
             wrapper = self._wrap(key, original, guard)
             setattr(owner, attr, wrapper)
-            copies = _replace_copies(original, wrapper) if point.copies else []
+            copies = _copies(module, original, wrapper, imported) if point.copies else []
             self.installed[key] = Installed(point, plugin, owner, attr, original, wrapper, inherited, copies)
         except Exception as exc:
             if self._strict:
@@ -120,10 +123,10 @@ class Patcher:
             log.error("gcpatch: %s.%s left unpatched (%s: %s)", point.module, point.target, type(exc).__name__, exc)
 
     def _install_armed(self, module: Any, key: tuple[str, str], plugin: str, copies: bool,
-                       applies: Callable[[Any], bool] | None, wakes: bool) -> None:
+                       applies: Callable[[Any], bool] | None, wakes: bool, imported: bool = True) -> None:
         if key in self._points:
             point, plugin = self._points[key]
-            self._install(module, point, plugin)
+            self._install(module, point, plugin, imported)
             return
         if self._stopped or self._settled or key in self.installed:
             return
@@ -139,7 +142,7 @@ class Patcher:
             deferred = _Deferred(self, wakes)
             wrapper = self._wrap(key, original, deferred)
             setattr(owner, attr, wrapper)
-            bindings = _replace_copies(original, wrapper) if copies else []
+            bindings = _copies(module, original, wrapper, imported) if copies else []
             self.installed[key] = Installed(_ArmedPoint(key[0], key[1], copies), plugin, owner, attr, original,
                                             wrapper, inherited, bindings, deferred=deferred)
         except Exception as exc:
@@ -329,7 +332,16 @@ def _lookup(module: Any, qualname: str) -> Any:
     return owner
 
 
-def _replace_copies(original: Any, wrapper: Any) -> list[_Binding]:
+def _copies(module: Any, original: Any, wrapper: Any, imported: bool) -> list[_Binding]:
+    """`_replace_copies` where other modules may hold the original: its module was imported before
+    the point was registered. A point installed as its module loads (the start-up path: armed
+    before the first framework import) runs before any importer gets the name back, so only the
+    module's own functions can hold it (default arguments); scanning every loaded module there cost
+    tens of ms at every `import torch`."""
+    return _replace_copies(original, wrapper, None if imported else [module])
+
+
+def _replace_copies(original: Any, wrapper: Any, modules: list[Any] | None = None) -> list[_Binding]:
     """Point every module-level name bound to `original` at `wrapper` (P3: modules imported
     before the patch hold their own reference), every module-level `functools.partial` of it (a
     project's `ckpt = partial(checkpoint, use_reentrant=True)` built before `import gcpatch`) at a
@@ -337,7 +349,7 @@ def _replace_copies(original: Any, wrapper: Any) -> list[_Binding]:
     those modules' functions and classes (transformers' `_set_gradient_checkpointing(...,
     gradient_checkpointing_func=checkpoint)`). Later imports get the wrapper anyway."""
     replaced: list[_Binding] = []
-    for module in list(sys.modules.values()):
+    for module in list(sys.modules.values()) if modules is None else modules:
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
