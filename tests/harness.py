@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -68,20 +69,57 @@ def result_of(proc: subprocess.CompletedProcess) -> Any:
     return results[0]
 
 
+RUN_MARK = "GCPATCH_TEST_RUN"  # in every process a run starts, so a timeout finds them all
+
+
+def _processes_marked(token: str) -> list[int]:
+    """Pids whose environment carries this run's token: the child and every descendant, also one
+    that left the child's process group or session (a rank that outlived its launcher)."""
+    needle = f"{RUN_MARK}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+def _kill_run(proc: subprocess.Popen, token: str) -> None:
+    """SIGKILL the child's process group and every process that carries the run's token."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if Path("/proc/self/environ").exists():
+        for pid in _processes_marked(token):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     """Run a child; a hang shows as returncode None with what it printed before, instead of
-    blocking the suite. The child leads its own process group, so a hang's grandchildren (the
-    ranks under torchrun) are stopped with it instead of running on after the suite."""
-    with subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
+    blocking the suite. The child leads its own process group and every process it starts
+    inherits a token in its environment, so a hang's descendants (the ranks under torchrun, even
+    one that left the group) are stopped with it: none keeps the output pipes open."""
+    token = uuid.uuid4().hex
+    with subprocess.Popen(argv, cwd=cwd, env={**env, RUN_MARK: token}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _kill_run(proc, token)
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            out, err = proc.communicate()
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a writer out of reach (no /proc): give up on its output
+                out, err = "", "[output lost: a process of the run kept the pipes open after the kill]"
+                for pipe in (proc.stdout, proc.stderr):
+                    pipe.close()
             return subprocess.CompletedProcess(argv, None, out or "", (err or "") + f"\n[timed out after {timeout}s]")  # type: ignore[arg-type]
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
