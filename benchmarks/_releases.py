@@ -1,0 +1,47 @@
+"""What the per-release benchmarks (compile_cost.py, import_cost.py) share: fresh interpreters of
+a venv given on the command line (one venv per transformers release), and results kept per release
+in a JSON file from which the markdown table is regenerated (`--table-only` rewrites it alone)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+def child_env(gcpatch: bool, **extra: str) -> dict[str, str]:
+    """The caller's environment without GCPATCH* or PYTHONPATH, offline, one thread, quiet."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH") and k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore",
+               GCPATCH="1" if gcpatch else "0")
+    env.update(extra)
+    return env
+
+
+def release(python: str) -> str:
+    return subprocess.run([python, "-c", "import transformers; print(transformers.__version__)"], capture_output=True,
+                          text=True, env=child_env(False), check=True).stdout.strip()
+
+
+def main(parser: argparse.ArgumentParser, measure: Callable[[str, argparse.Namespace], dict[str, Any]],
+         table: Callable[[dict], str], results_path: Path, table_path: Path) -> None:
+    """Measure each `--python` (default: this interpreter), merge into `results_path` under its
+    transformers release, and write the table generated from all releases measured so far."""
+    parser.add_argument("--python", action="append", help="a venv's interpreter (repeat: one per release)")
+    parser.add_argument("--table-only", action="store_true", help="regenerate the table from the JSON")
+    args = parser.parse_args()
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    if not args.table_only:
+        for python in args.python or [sys.executable]:
+            name = release(python)
+            print(f"{python}: transformers {name}", file=sys.stderr)
+            results[name] = {**measure(python, args), "when": time.strftime("%Y-%m-%d %H:%M"),
+                             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"}
+        results_path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    table_path.write_text(table(results))
+    print(table_path.read_text())
