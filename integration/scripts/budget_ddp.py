@@ -44,7 +44,7 @@ def main() -> None:
             "recomputed": counter.count, "flags": [bool(m.gradient_checkpointing) for m in decoder_layers(model)],
             "first_step_grads": grads, "params_after": digest(model.parameters()), "rng_after": torch.rand(2).tolist()})
     dist.barrier()
-    dist.destroy_process_group()
+    c.end_ranks()
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def main() -> None:
     c.emit(result)
     if error is None:
         dist.barrier()
-    dist.destroy_process_group()
+    c.end_ranks()
 
 
 if __name__ == "__main__":

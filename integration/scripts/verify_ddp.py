@@ -52,7 +52,7 @@ def main() -> None:
             "optimizer_state": digest(optimizer_tensors(opt)), "rng_after": torch.rand(4).tolist(),
             "applied_use_reentrant": c.checkpoint_use_reentrant(model)})
     dist.barrier()
-    dist.destroy_process_group()
+    c.end_ranks()
 
 
 if __name__ == "__main__":
