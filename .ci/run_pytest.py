@@ -2,7 +2,8 @@
 when a `-k` passed to every env selects nothing in one of them) said in one line and taken as a
 pass; any other code is pytest's own. Where pytest-timeout is installed (every tox env), no test
 may run longer than GCPATCH_TEST_TIMEOUT_S (default 1800 s): a hang fails that test with its stack
-instead of holding the whole run until CI's limit."""
+instead of holding the whole run until CI's limit. The ten slowest tests are listed after each env
+(`--durations=10`): where CI's time goes is read off every run."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,6 +19,8 @@ def arguments(argv: list[str]) -> list[str]:
     bound = []
     if importlib.util.find_spec("pytest_timeout") is not None and not any(a.startswith("--timeout") for a in argv):
         bound = [f"--timeout={os.environ.get('GCPATCH_TEST_TIMEOUT_S', '1800')}"]
+    if not any(a.startswith("--durations") for a in argv):
+        bound.append("--durations=10")
     return ["-p", "no:cacheprovider", *bound, *argv]
 
 
