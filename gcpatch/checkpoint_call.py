@@ -18,7 +18,9 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from gcpatch import engine, record, reentrant_grads, resolve, settings
+import wrapt
+
+from gcpatch import engine, patching, record, reentrant_grads, resolve, settings
 from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import named_modules
@@ -100,6 +102,28 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
     if USE_REENTRANT not in kwargs:  # torch warns with stacklevel=2: let it name the caller, not gcpatch
         return call_from(user_frame(), original, (_inside_checkpoint(function), *args[1:]), kwargs)
     return original(_inside_checkpoint(function), *args[1:], **kwargs)
+
+
+def _eager_under_dynamo(eval_frame: Any) -> None:
+    """Post-import hook of `torch._dynamo.eval_frame`: the decision's own frames (the patch point's
+    wrapper, `run`, the checkpointed function's marker) run eagerly when torch.compile meets them as
+    fresh frames, as it does torch's own `checkpoint` frame. A compiled frame given back to eager
+    (FSDP2's hooks, transformers 4.x's logging) then calls them eagerly, gcpatch decides as usual,
+    and dynamo goes on with the checkpointed function's frames as without gcpatch, instead of
+    tracing gcpatch's frames into its checkpoint operator and breaking there once more per layer.
+    Inlined into a frame dynamo traces, they are traced as before (a skipped code object is only
+    skipped as a fresh frame)."""
+    skip_code = getattr(eval_frame, "skip_code", None)
+    if skip_code is None:
+        log.info("gcpatch: this torch's dynamo has no skip_code; a checkpoint call in a frame torch.compile "
+                 "gives back to eager may add a graph break")
+        return
+    try:
+        for code in (patching.FUNCTION_WRAPPER_CODE, run.__code__, _inside_checkpoint(len).__code__):
+            skip_code(code)
+    except Exception as exc:  # noqa: BLE001 - inside the host's import of torch._dynamo: never raise there
+        log.warning("gcpatch: could not mark its checkpoint frames for torch.compile (%s: %s); a checkpoint call "
+                    "in a frame torch.compile gives back to eager may add a graph break", type(exc).__name__, exc)
 
 
 def _compiling() -> bool:
@@ -388,3 +412,6 @@ def reset() -> None:
     """Forget cached outcomes and reported sites (a re-activation, tests)."""
     _outcomes.clear()
     _reported_sites.clear()
+
+
+wrapt.register_post_import_hook(_eager_under_dynamo, "torch._dynamo.eval_frame")

@@ -282,6 +282,11 @@ def _function_wrapper(original: Callable[..., Any], guard: Callable[..., Any]) -
     return wrapper
 
 
+# The one code object of every plain-function wrapper: torch.compile may be told to run its fresh
+# frames eagerly (gcpatch.checkpoint_call), which leaves inlining it into a traced frame as it is.
+FUNCTION_WRAPPER_CODE = _function_wrapper(len, _passthrough).__code__
+
+
 def _runs(current: Any, wrapper: Any) -> bool:
     """`current` is gcpatch's wrapper, or a function that wraps it (functools.wraps' `__wrapped__`,
     as gcpatch's own crash notes do around torch.autograd.backward): gcpatch still runs inside it."""

@@ -42,7 +42,10 @@ def test_a_frozen_embedding_reentrant_call_in_a_compiled_region_trains_every_blo
 def test_a_compiled_fsdp2_step_is_exact_and_breaks_no_more_than_plain(script_runs):
     """FSDP2's own hooks break the graph (dynamo skips their `disable`); gcpatch adds none. Between
     the breaks the checkpoint calls run eagerly: on 4.x, whose default is reentrant, plainly the blocks
-    above the frozen embedding get no gradient there (R1); with gcpatch every one is exact."""
+    above the frozen embedding get no gradient there (R1); with gcpatch every one is exact. gcpatch's
+    own frames run eagerly when dynamo meets them fresh (checkpoint_call._eager_under_dynamo): traced
+    into dynamo's checkpoint operator instead, they broke once more per layer on 4.57 (6 against
+    plain's 4)."""
     gc = script_runs.get(FSDP2, gcpatch=True, launcher="torchrun2")
     plain = script_runs.get(FSDP2, gcpatch=False, launcher="torchrun2")
     assert_installed_gcpatch_ran(gc)
@@ -51,9 +54,4 @@ def test_a_compiled_fsdp2_step_is_exact_and_breaks_no_more_than_plain(script_run
     for got, ref in zip(sorted(gc.results, key=lambda r: r["rank"]), sorted(plain.results, key=lambda r: r["rank"])):
         assert got["trainable"] == ref["trainable"] > 0 and got["wrong"] == 0, got
         assert ref["wrong"] == (0 if V5 else ref["trainable"] - 2), ref  # 4.x: all but the head and the norm
-        if V5:
-            assert got["graph_breaks"] <= ref["graph_breaks"], (got["break_reasons"], ref["break_reasons"])
-        else:  # 4.57: no logging break once R6 turns the cache off, and dynamo breaks in FSDP's hooks more
-            # often: 6, plain 4 (its gradients wrong), the blunt patch 5, the blunt patch with use_cache off 2.
-            # Not R5's one-shot hook (6 without it). Asserted here: no kind of break plain has not
-            assert set(got["break_reasons"]) <= set(ref["break_reasons"]), (got["break_reasons"], ref["break_reasons"])
+        assert got["graph_breaks"] <= ref["graph_breaks"], (got["break_reasons"], ref["break_reasons"])
