@@ -13,14 +13,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import harness  # noqa: E402
+
 
 def child_env(gcpatch: bool, **extra: str) -> dict[str, str]:
-    """The caller's environment without GCPATCH* or PYTHONPATH, offline, one thread, quiet."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH") and k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore",
-               GCPATCH="1" if gcpatch else "0")
-    env.update(extra)
-    return env
+    """The environment of every child (tests/harness.py: no caller GCPATCH*, offline, one thread,
+    quiet), with gcpatch switched on or off."""
+    return harness.child_env(quiet=True, GCPATCH="1" if gcpatch else "0", **extra)
 
 
 def release(python: str) -> str:

@@ -17,13 +17,12 @@ Results are merged into benchmarks/COMPILE.json per transformers release; COMPIL
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from _releases import child_env, main
+from _releases import child_env, harness, main
 
 HERE = Path(__file__).resolve().parent
 BLUNT = HERE.parent / "integration" / "blunt"
@@ -67,7 +66,7 @@ for step in range(steps):
         diff = max(float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
                    for p, r in zip(model.parameters(), ref.parameters()) if p.requires_grad)
         graphs_first = counters["stats"]["unique_graphs"]
-print(json.dumps({"transformers": tf_version, "torch": torch.__version__,
+print("RESULT " + json.dumps({"transformers": tf_version, "torch": torch.__version__,
                   "graph_breaks": sum(counters["graph_break"].values()),
                   "break_reasons": sorted({k.splitlines()[0][:80] for k in counters["graph_break"]}),
                   "graphs_first_step": graphs_first,
@@ -86,7 +85,7 @@ def run(python: str, variant: str, backend: str, steps: int) -> dict:
                           timeout=1200, cwd=HERE)
     if proc.returncode != 0:
         raise RuntimeError(f"{variant}/{backend} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return harness.result_of(proc)
 
 
 def measure(python: str, args: argparse.Namespace) -> dict:

@@ -14,12 +14,11 @@ jobs on a shared machine do not count. A figure is the median over rounds of the
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 from pathlib import Path
 
-from _releases import child_env, main
+from _releases import child_env, harness, main
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "IMPORT_COST.json"
@@ -43,16 +42,16 @@ t = time.process_time(); b.gradient_checkpointing_enable(); second = time.proces
 d = {'first enable in the process': first, "a second model's first enable": second}
 """,
 }
+ROWS = ("import torch", "import transformers", "first enable in the process", "a second model's first enable")
 TAIL = "\nimport json; print('RESULT ' + json.dumps(d))"
 
 
 def once(python: str, code: str, gcpatch: bool) -> dict:
     proc = subprocess.run([python, "-c", code + TAIL], env=child_env(gcpatch, GCPATCH_LOG="off"), capture_output=True,
                           text=True, timeout=300, cwd=HERE)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
+    if proc.returncode != 0:
         raise RuntimeError(f"{code[:40]!r} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(line[len("RESULT "):])
+    return harness.result_of(proc)
 
 
 def measure(python: str, args: argparse.Namespace) -> dict:
@@ -83,7 +82,8 @@ def table(results: dict) -> str:
         lines += [f"## transformers {release} ({entry['when']}, {entry['machine']}, {entry['rounds']} rounds)", "",
                   "| what | plain (ms) | GCPATCH=1 (ms) | added (ms) | ratio | target |",
                   "| --- | --- | --- | --- | --- | --- |"]
-        for name, f in entry["figures"].items():
+        for name in sorted(entry["figures"], key=ROWS.index):  # the JSON keeps its keys sorted
+            f = entry["figures"][name]
             target = ""
             if name.startswith("import"):
                 target = f"<= +{TARGET_IMPORT_MS:.0f} ms: " + ("met" if f["added_ms"] <= TARGET_IMPORT_MS else "**missed**")
