@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from _run import SCRIPTS, Run, Spec, child_env
+from _run import SCRIPTS, Run, Spec, child_env, harness_run, parse_results
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 AXOLOTL_TIMEOUT_S = 600
@@ -70,12 +70,11 @@ def run_script_args(script: str, args: list[str], workdir: Path, gcpatch: bool,
     record_dir = workdir / "gcpatch-record"
     spec = Spec(script, tuple(args), gcpatch, tuple(sorted((env or {}).items())))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=workdir,
-                          env=child_env(GCPATCH="1" if gcpatch else "0", GCPATCH_RECORD=str(record_dir),
-                                        **(env or {})),
-                          capture_output=True, text=True, timeout=300)
+    proc = harness_run([sys.executable, str(SCRIPTS / script), *args], workdir,
+                       child_env(GCPATCH="1" if gcpatch else "0", GCPATCH_RECORD=str(record_dir), **(env or {})),
+                       300, warm=True)
     run = Run(spec, proc.returncode, proc.stdout, proc.stderr, record_dir, time.monotonic() - start)
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    results = parse_results(proc.stdout)
     if len(results) == 1:
         run.result, run.results = results[0], results
     return run

@@ -187,7 +187,7 @@ def run_script(spec: Spec, workdir: Path) -> Run:
     if spec.blunt:
         env["PYTHONPATH"] = str(BLUNT)
     start = time.monotonic()
-    proc = harness_run(argv, workdir, env, TIMEOUT_S)
+    proc = harness_run(argv, workdir, env, TIMEOUT_S, warm=True)
     run = Run(spec, proc.returncode, proc.stdout, proc.stderr, record_dir, time.monotonic() - start)
     results = parse_results(proc.stdout)
     # a distributed run whose ranks crashed may still exit non-zero after printing its RESULT lines

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from _run import Run, Spec, run_script
+import warm_starts  # noqa: E402 - on sys.path through _run
 
 
 class ScriptRuns:
@@ -68,6 +69,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not runs:
         return
     terminalreporter.section("gcpatch integration runs")
+    if warm_starts.summary():
+        terminalreporter.write_line(warm_starts.summary())
     for spec, future in runs.items():
         if not future.done() or future.cancelled():
             continue

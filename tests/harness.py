@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import warm_starts
+
 RESULT = "RESULT "
 
 
@@ -88,10 +90,10 @@ def _processes_marked(token: str) -> list[int]:
     return found
 
 
-def _kill_run(proc: subprocess.Popen, token: str) -> None:
+def _kill_run(pid: int, token: str) -> None:
     """SIGKILL the child's process group and every process that carries the run's token."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     if Path("/proc/self/environ").exists():
@@ -102,18 +104,25 @@ def _kill_run(proc: subprocess.Popen, token: str) -> None:
                 pass
 
 
-def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 300,
+        warm: bool = False) -> subprocess.CompletedProcess:
     """Run a child; a hang shows as returncode None with what it printed before, instead of
     blocking the suite. The child leads its own process group and every process it starts
     inherits a token in its environment, so a hang's descendants (the ranks under torchrun, even
-    one that left the group) are stopped with it: none keeps the output pipes open."""
+    one that left the group) are stopped with it: none keeps the output pipes open.
+
+    `warm`: a `python script.py` run may start as a fork of a warm interpreter (tests/warm_starts.py)."""
     token = uuid.uuid4().hex
+    if warm and warm_starts.enabled() and warm_starts.servable(argv, env):
+        done = warm_starts.run(argv, cwd, {**env, RUN_MARK: token}, timeout, lambda pid: _kill_run(pid, token))
+        if done is not None:
+            return done
     with subprocess.Popen(argv, cwd=cwd, env={**env, RUN_MARK: token}, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_run(proc, token)
+            _kill_run(proc.pid, token)
             try:
                 out, err = proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:  # a writer out of reach (no /proc): give up on its output
