@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from _run import DECISION_LINE, SCRIPTS, Run, Spec, child_env, free_port, outside_plugin_range
+from _run import DECISION_LINE, SCRIPTS, Run, Spec, child_env, free_port, harness_run, outside_plugin_range
 
 LIMIT = 120
 
@@ -25,8 +24,7 @@ def _run(tmp_path: Path, name: str, argv: list[str], **env: str) -> Run:
     workdir.mkdir()
     record_dir = workdir / "gcpatch-record"
     start = time.monotonic()
-    proc = subprocess.run(argv, cwd=workdir, env=child_env(GCPATCH="1", GCPATCH_RECORD=str(record_dir), **env),
-                          capture_output=True, text=True, timeout=600)
+    proc = harness_run(argv, workdir, child_env(GCPATCH="1", GCPATCH_RECORD=str(record_dir), **env), 600, warm=True)
     return Run(Spec(name), proc.returncode, proc.stdout, proc.stderr, record_dir, time.monotonic() - start)
 
 

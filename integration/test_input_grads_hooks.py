@@ -12,13 +12,14 @@ from __future__ import annotations
 import pytest
 
 from _asserts import assert_installed_gcpatch_ran, assert_plain
-from _run import TRANSFORMERS, outside_plugin_range
+from _run import TRANSFORMERS, Spec, outside_plugin_range
 
-pytestmark = [
-    pytest.mark.skipif(TRANSFORMERS.major < 5, reason="the hook-per-call behaviour measured here is transformers 5.x's"),
-    pytest.mark.skipif(bool(outside_plugin_range("peft")), reason=outside_plugin_range("peft") or "peft"),
-]
+OUT_OF_RANGE = ("the hook-per-call behaviour measured here is transformers 5.x's" if TRANSFORMERS.major < 5
+                else outside_plugin_range("peft"))
+pytestmark = pytest.mark.skipif(bool(OUT_OF_RANGE), reason=OUT_OF_RANGE)
 SCRIPT = "input_grads_hooks.py"
+RUNS = [Spec(SCRIPT, ("--case", "double")), Spec(SCRIPT, ("--case", "double"), env=(("GCPATCH_MODE", "warn"),)),
+        Spec(SCRIPT, ("--case", "sft"))]
 
 
 def test_double_enable_leaves_one_hook(script_runs):

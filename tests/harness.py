@@ -111,12 +111,16 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 
     inherits a token in its environment, so a hang's descendants (the ranks under torchrun, even
     one that left the group) are stopped with it: none keeps the output pipes open.
 
-    `warm`: a `python script.py` run may start as a fork of a warm interpreter (tests/warm_starts.py)."""
+    `warm`: a script may start as a fork of a warm interpreter (tests/warm_starts.py), also each
+    rank under torchrun."""
     token = uuid.uuid4().hex
     if warm and warm_starts.enabled() and warm_starts.servable(argv, env):
-        done = warm_starts.run(argv, cwd, {**env, RUN_MARK: token}, timeout, lambda pid: _kill_run(pid, token))
-        if done is not None:
-            return done
+        if warm_starts.under_torchrun(argv):
+            argv, env = warm_starts.torchrun_launch(argv, env)
+        else:
+            done = warm_starts.run(argv, cwd, {**env, RUN_MARK: token}, timeout, lambda pid: _kill_run(pid, token))
+            if done is not None:
+                return done
     with subprocess.Popen(argv, cwd=cwd, env={**env, RUN_MARK: token}, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:

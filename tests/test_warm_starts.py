@@ -112,4 +112,38 @@ def test_runs_it_cannot_serve_faithfully_start_fresh(tmp_path):
     assert warm_starts.servable([sys.executable, probe], {"GCPATCH": "1"})
     assert not warm_starts.servable([sys.executable, probe], {})  # `import gcpatch` decides, in order
     assert not warm_starts.servable([sys.executable, "-X", "importtime", probe], {"GCPATCH": "1"})
-    assert not warm_starts.servable([sys.executable, "-m", "torch.distributed.run", probe], {"GCPATCH": "1"})
+    assert not warm_starts.servable([sys.executable, "-m", "pdb", probe], {"GCPATCH": "1"})
+    assert warm_starts.servable(harness.torchrun_argv(2, probe), {"GCPATCH": "1"})
+
+
+RANK_SCRIPT = """\
+import json, os, sys
+print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), "world": os.environ["WORLD_SIZE"],
+      "local": os.environ["LOCAL_RANK"], "run_id": "TORCHELASTIC_RUN_ID" in os.environ, "argv": sys.argv[1:],
+      "preloaded": PRELOADED, "socket": "GCPATCH_TEST_WARM_SOCKET" in os.environ}), flush=True)
+if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
+    sys.exit(3)
+if sys.argv[1] == "abort" and os.environ["RANK"] == "1":
+    os.abort()
+"""
+
+
+@pytest.mark.parametrize("how", ["ok", "fail", "abort"])
+def test_torchrun_ranks_start_warm_with_the_environment_torchrun_gives(tmp_path, served, how):
+    pytest.importorskip("torch.distributed.run")
+    path = tmp_path / "ranks.py"
+    path.write_text('import sys\nPRELOADED = "wave" in sys.modules\n' + RANK_SCRIPT)
+    env = harness.child_env(GCPATCH="0", GCPATCH_TEST_WARM_PRELOAD="wave")
+    fresh, warm = (harness.run(harness.torchrun_argv(2, str(path), how), tmp_path, env, 120, warm=w)
+                   for w in (False, True))
+    assert served() == 2
+    for proc, preloaded in ((fresh, False), (warm, True)):
+        results = sorted(harness.parse_results(proc.stdout), key=lambda r: r["rank"])
+        assert [r["rank"] for r in results] == [0, 1], proc.stderr
+        assert all(r["preloaded"] is preloaded and r["world"] == "2" and r["run_id"] and not r["socket"]
+                   and r["argv"] == [how] for r in results)
+    assert (fresh.returncode == 0) is (warm.returncode == 0) is (how == "ok")
+    if how != "ok":  # torchrun names the failed rank and its exit code, -6 for SIGABRT
+        code = "3" if how == "fail" else "-6"
+        for proc in (fresh, warm):
+            assert f"exitcode  : {code}" in proc.stderr and "rank      : 1" in proc.stderr, proc.stderr[-3000:]

@@ -8,104 +8,99 @@ included: the start-up file ran and gcpatch armed its patch points at the import
 warm interpreter, as it would in the script; the plugins load, and the settings that only a decision
 reads are read, in the child at the first checkpointing call.
 
-One warm interpreter serves every run whose environment agrees with it in all but `PER_RUN` (read
-after the first call, never at import). Runs it cannot serve as faithfully start fresh: a launcher
-(`-m torch.distributed.run`), interpreter flags, a run without GCPATCH in its environment (a script
-that activates gcpatch itself by `import gcpatch`, where the import order is the subject). Set
-GCPATCH_TEST_WARM=0 to start every run fresh (the matrix command does, and any suspicion should).
+`python script.py` runs in a child directly; under `python -m torch.distributed.run` torchrun itself
+starts fresh and launches its ranks as usual (`--no-python`, tests/warm/rank.py), each rank a child
+with the environment torchrun gave it. One warm interpreter serves every run whose environment
+agrees with it in all but `PER_RUN`. Runs it cannot serve as faithfully start fresh: other launchers,
+interpreter flags, a run without GCPATCH in its environment (a script that activates gcpatch itself by
+`import gcpatch`, where the import order is the subject). GCPATCH_TEST_WARM=0 starts every run fresh.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import os
-import queue
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
-SERVER = Path(__file__).resolve().parent / "warm" / "server.py"
+HERE = Path(__file__).resolve().parent / "warm"
+SERVER, RANK = HERE / "server.py", HERE / "rank.py"
+SOCKET_VAR = "GCPATCH_TEST_WARM_SOCKET"
+TORCHRUN = ("-m", "torch.distributed.run")
 # Variables whose value nothing uses before the script's own first call: gcpatch's record folder, verify,
 # memory budget and local plugins (used from the first checkpointing call on: engine._load, pipeline,
 # verify, planner; at import gcpatch uses only GCPATCH, GCPATCH_MODE and GCPATCH_DISABLE_PLUGINS,
-# engine.arm), the rendezvous port (init_process_group) and the run's kill token. Runs that differ only
-# in these share a warm interpreter, whose environment lacks them.
+# engine.arm), the rendezvous port (init_process_group), the run's kill token and the socket itself.
+# Runs that differ only in these share a warm interpreter, whose environment lacks them.
 PER_RUN = frozenset({"GCPATCH_RECORD", "GCPATCH_VERIFY", "GCPATCH_MEMORY_BUDGET", "GCPATCH_LOCAL_PLUGINS",
-                     "GCPATCH_TEST_RUN", "MASTER_PORT"})
+                     "GCPATCH_TEST_RUN", "MASTER_PORT", SOCKET_VAR})
 
 
 def enabled() -> bool:
     return os.environ.get("GCPATCH_TEST_WARM", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _script_at(argv: list[str]) -> int | None:
+    """Where the script is in a servable command line: `python script.py ...` or `python -m
+    torch.distributed.run --opt=value ... script.py ...`."""
+    if len(argv) < 2 or argv[0] != sys.executable:
+        return None
+    at = 1
+    if tuple(argv[1:3]) == TORCHRUN:
+        at = 3
+        while at < len(argv) and argv[at].startswith("--") and "=" in argv[at]:
+            at += 1
+    return at if at < len(argv) and argv[at].endswith(".py") and not argv[at].startswith("-") else None
+
+
+def under_torchrun(argv: list[str]) -> bool:
+    return tuple(argv[1:3]) == TORCHRUN
+
+
 def servable(argv: list[str], env: dict[str, str]) -> bool:
-    """`python script.py ...` of this venv with GCPATCH set either way."""
-    return (len(argv) >= 2 and argv[0] == sys.executable and argv[1].endswith(".py")
-            and not argv[1].startswith("-") and "GCPATCH" in env)
+    """A script of this venv's interpreter, plain or under torchrun, with GCPATCH set either way."""
+    return _script_at(argv) is not None and "GCPATCH" in env
 
 
 class WarmInterpreter:
-    """One server process and the thread that reads its answers."""
+    """One server process. Its stdin stays open as long as this process lives: when this process
+    ends, the server sees EOF and stops with every child it still runs."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.home = Path(tempfile.mkdtemp(prefix="gcpatch-warm-"))
+        self.socket = str(self.home / "socket")
         self.log = self.home / "server.log"
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(SERVER)], cwd=self.home, env=env,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-        self._send = threading.Lock()
-        self._pids: queue.Queue = queue.Queue()
-        self._exits: dict[int, int] = {}
-        self._ended = threading.Condition()
-        self._closed = False
-        self.served = 0
-        threading.Thread(target=self._read, name="gcpatch-warm-reader", daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            message = json.loads(line)
-            if "pid" in message:
-                self._pids.put(message["pid"])
-            elif "exit" in message:
-                with self._ended:
-                    self._exits[message["exit"]] = message["code"]
-                    self._ended.notify_all()
-        with self._ended:  # the server is gone: no exit will be reported any more
-            self._closed = True
-            self._ended.notify_all()
-        self._pids.put(None)
-
-    def start(self, request: dict) -> int | None:
-        """Fork a child for the request; its pid, or None when the server is gone."""
-        with self._send:
-            if self.proc.poll() is not None:
-                return None
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write((json.dumps(request) + "\n").encode())
-                self.proc.stdin.flush()
-            except OSError:
-                return None
-            pid = self._pids.get()
-        if pid is not None:
-            self.served += 1
-        return pid
-
-    def wait(self, pid: int, timeout: float | None) -> int | None:
-        """The child's exit code; None when it still runs after `timeout`, or when the server ended
-        first (then nobody can learn it: `lost` says so)."""
-        with self._ended:
-            self._ended.wait_for(lambda: pid in self._exits or self._closed, timeout)
-            return self._exits.pop(pid, None)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(SERVER), self.socket], cwd=self.home, env=env,
+                                         stdin=subprocess.PIPE, stdout=log, stderr=log)
 
     @property
-    def lost(self) -> bool:
-        return self._closed
+    def served(self) -> int:
+        """Children started so far (the server writes a line for each)."""
+        try:
+            return sum(line.startswith(b"served ") for line in self.log.read_bytes().splitlines())
+        except OSError:
+            return 0
+
+    def connect(self, deadline: float) -> socket.socket | None:
+        """A connection once the server listens (it binds before importing anything)."""
+        while True:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(self.socket)
+                return conn
+            except (FileNotFoundError, ConnectionRefusedError):
+                conn.close()
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    return None
+                time.sleep(0.05)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -129,41 +124,59 @@ def _server_for(env: dict[str, str]) -> WarmInterpreter:
         server = _servers.get(key)
         if server is None or server.proc.poll() is not None:
             if server is not None:
-                sys.stderr.write(f"warm start: the warm interpreter ended ({server.proc.returncode}); "
-                                 f"its log: {server.log}\n")
+                sys.stderr.write(f"warm start: a warm interpreter ended ({server.proc.returncode}); its log: "
+                                 f"{server.log}\n")
             server = _servers[key] = WarmInterpreter(start_env)
         return server
 
 
+def torchrun_launch(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The same torchrun command with its ranks started warm: `--no-python python -u rank.py script ...`,
+    and the warm interpreter's socket in the environment torchrun hands its ranks."""
+    at = _script_at(argv)
+    assert at is not None and at > 1
+    server = _server_for(env)
+    return [*argv[:at], "--no-python", sys.executable, "-u", str(RANK), *argv[at:]], {**env, SOCKET_VAR: server.socket}
+
+
 def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
         kill: Callable[[int], None]) -> subprocess.CompletedProcess | None:
-    """Run `python script.py ...` in a fork of a warm interpreter; None when no warm interpreter
-    could take it (the caller starts it fresh). On a timeout `kill(pid)` stops the child and what
-    it started, and the returncode is None, as for a fresh run."""
+    """Run `python script.py ...` in a child of a warm interpreter; None when none could take it
+    (the caller then starts it fresh). On a timeout `kill(pid)` stops the child and what it started,
+    and the returncode is None, as for a fresh run."""
     server = _server_for(env)
-    with tempfile.TemporaryDirectory(prefix="gcpatch-warm-run-") as tmp:
+    conn = server.connect(time.monotonic() + 120)
+    if conn is None:
+        sys.stderr.write(f"warm start: no warm interpreter for {argv[1]}, started fresh; its log: {server.log}\n")
+        return None
+    with conn, tempfile.TemporaryDirectory(prefix="gcpatch-warm-run-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        pid = server.start({"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)})
-        if pid is None:
-            sys.stderr.write(f"warm start: no warm interpreter for {argv[1]}, started fresh; log: {server.log}\n")
-            return None
-        code = server.wait(pid, timeout)
-        timed_out = code is None and not server.lost
-        if server.lost and code is None:
-            kill(pid)
-            sys.stderr.write(f"warm start: the warm interpreter ended during {argv[1]}; log: {server.log}\n")
-        if timed_out:
-            kill(pid)
-            code = server.wait(pid, 30)
-        stdout = out.read_text(errors="replace") if out.exists() else ""
-        stderr = err.read_text(errors="replace") if err.exists() else ""
-    if timed_out:
-        return subprocess.CompletedProcess(argv, None, stdout, stderr + f"\n[timed out after {timeout}s]")  # type: ignore[arg-type]
-    return subprocess.CompletedProcess(argv, code, stdout, stderr)
+        with open(os.devnull, "rb") as null, open(out, "wb") as o, open(err, "wb") as e:
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "unbuffered": False}
+            socket.send_fds(conn, [json.dumps(request).encode()], [null.fileno(), o.fileno(), e.fileno()])
+        answers = conn.makefile("rb")
+        deadline = time.monotonic() + timeout
+        code, pid, note = None, None, ""
+        try:
+            conn.settimeout(timeout)
+            pid = json.loads(answers.readline())["pid"]
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            line = answers.readline()
+            if line:
+                code = json.loads(line)["code"]
+            else:
+                note = f"\n[the warm interpreter ended during the run; its log: {server.log}]"
+        except TimeoutError:
+            if pid is not None:
+                kill(pid)  # the server also stops the child's process group once this connection closes
+            note = f"\n[timed out after {timeout}s]"
+        stdout = out.read_text(errors="replace")
+        stderr = err.read_text(errors="replace")
+    return subprocess.CompletedProcess(argv, code, stdout, stderr + note)
 
 
 def summary() -> str:
-    """How many runs the warm interpreters served, for the session's end."""
+    """How many runs the warm interpreters served (each torchrun rank counts), for the session's end."""
     served = sum(s.served for s in _servers.values())
     return f"warm starts: {served} runs served by {len(_servers)} warm interpreters" if _servers else ""
 

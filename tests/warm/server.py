@@ -1,86 +1,124 @@
-"""A warm interpreter: it imports the frameworks once, then forks one child per script it is sent,
-and the child runs that script as `python script.py` would, from the state a fresh interpreter
-reaches after the same imports. Started by tests/warm_starts.py, alone in its folder so that its
-sys.path[0] holds no other module.
+"""A warm interpreter: it imports the frameworks once, then forks one child per script it is asked
+to run, and the child runs that script as `python script.py` would, from the state a fresh
+interpreter reaches after the same imports. Started by tests/warm_starts.py, alone in its folder
+(with the rank launcher) so that its sys.path[0] holds no module a script could import by mistake.
 
-Protocol (one JSON object a line): stdin gets {"argv", "cwd", "env", "out", "err"}; stdout answers
-{"ready": [modules]} once, then {"pid": N} for each request in order, and {"exit": N, "code": C}
-when a child ends (C as subprocess gives it: negative for a signal). EOF on stdin ends the server.
+Protocol: the server listens on the unix socket named by its first argument. A client connects and
+sends one JSON request {"argv", "cwd", "env", "unbuffered"} with its stdin, stdout and stderr as
+passed descriptors; the server answers {"pid": N} when the child starts and {"code": C} when it
+ends (C as subprocess gives it: negative for a signal). A client that goes away first takes its
+child with it (SIGKILL to the child's process group). EOF on the server's stdin (its owner ended)
+stops the server and every child still running.
 """
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import select
+import signal
+import socket
 import sys
 import types
 
 # What the scripts import first, and most of their cost (about 5 s of CPU together); a module that is
 # not installed is left out. GCPATCH_TEST_WARM_PRELOAD (comma-separated) names others instead.
 PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.trainer", "peft",
-           "datasets", "accelerate", "deepspeed")
+           "datasets", "accelerate", "deepspeed", "colossalai.booster")
+MAX_REQUEST = 1 << 20
 
 
-def _say(message: dict) -> None:
-    os.write(1, (json.dumps(message) + "\n").encode())
-
-
-def _preload() -> list[str]:
-    loaded = []
+def _preload() -> None:
     chosen = os.environ.get("GCPATCH_TEST_WARM_PRELOAD")
     for name in chosen.split(",") if chosen else PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError:
             continue
-        loaded.append(name)
-    return loaded
+        except Exception as exc:  # noqa: BLE001 - the script meets it again at its own import, and says so
+            sys.stderr.write(f"warm server: not preloaded: {name} ({type(exc).__name__}: {exc})\n")
 
 
-def _reap() -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+def _send(conn: socket.socket, message: dict) -> None:
+    try:
+        conn.sendall((json.dumps(message) + "\n").encode())
+    except OSError:  # the client went away; its child is stopped when the server sees the EOF
+        pass
 
 
-def serve() -> dict | None:
-    """The server loop; returns in a forked child with that child's request, None at EOF."""
-    _say({"ready": _preload()})
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def serve(path: str) -> tuple[dict, list[int]] | None:
+    """The server loop; returns in a forked child with that child's request and descriptors, None
+    when the owner is gone."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    _preload()
     sys.stdout.flush()
     sys.stderr.flush()
-    pending = b""
+    clients: dict[int, socket.socket] = {}  # child pid -> the connection that asked for it
     while True:
-        ready, _, _ = select.select([0], [], [], 0.05)
-        _reap()
-        if not ready:
-            continue
-        chunk = os.read(0, 1 << 16)
-        if not chunk:
-            return None
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            request = json.loads(line)
-            pid = os.fork()
+        ready, _, _ = select.select([0, listener, *clients.values()], [], [], 0.05)
+        while True:  # reap every child that ended, and tell its client
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
             if pid == 0:
-                return request
-            _say({"pid": pid})
+                break
+            conn = clients.pop(pid, None)
+            if conn is not None:
+                _send(conn, {"code": os.waitstatus_to_exitcode(status)})
+                conn.close()
+        for source in ready:
+            if source == 0:
+                if not os.read(0, 1024):
+                    for pid in clients:
+                        _kill(pid)
+                    return None
+            elif source is listener:
+                conn, _ = listener.accept()
+                data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    conn.close()
+                    for other in clients.values():
+                        other.close()
+                    return json.loads(data), fds
+                for fd in fds:
+                    os.close(fd)
+                clients[pid] = conn
+                _send(conn, {"pid": pid})
+                os.write(1, f"served {pid}\n".encode())  # the owner counts these
+            else:  # a client's connection: anything but EOF is not expected; EOF means it is gone
+                pid = next(p for p, c in clients.items() if c is source)
+                if not source.recv(1024):
+                    _kill(pid)
+                    del clients[pid]
+                    source.close()
 
 
-def _become(request: dict) -> None:
-    """The process state `python script.py` starts the script in: own session, its output files,
-    no stdin, its cwd, environment, argv and sys.path[0], and a fresh `__main__`."""
+def _become(request: dict, fds: list[int]) -> None:
+    """The process state `python script.py` starts the script in: own session, the client's stdin,
+    stdout and stderr, its cwd, environment, argv and sys.path[0], and a fresh `__main__`."""
     os.setsid()
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, path in ((1, request["out"]), (2, request["err"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    for fd in (0, 1, 2):
+        os.set_inheritable(fd, True)
+    if request.get("unbuffered"):  # python -u, as torchrun starts its ranks
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      errors="backslashreplace")
     sys.stdin = open(0, closefd=False)
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -95,10 +133,10 @@ def _become(request: dict) -> None:
     sys.modules["__main__"] = main
 
 
-def run_child(request: dict) -> int:
+def run_child(request: dict, fds: list[int]) -> int:
     """Run the script as the interpreter's main program does: its exit status from SystemExit, an
     uncaught exception through sys.excepthook (as gcpatch's crash notes expect) and status 1."""
-    _become(request)
+    _become(request, fds)
     script = sys.argv[0]
     main = sys.modules["__main__"]
     try:
@@ -120,7 +158,7 @@ def run_child(request: dict) -> int:
 
 
 if __name__ == "__main__":
-    child_request = serve()
-    if child_request is None:
+    asked = serve(sys.argv[1])
+    if asked is None:
         sys.exit(0)
-    sys.exit(run_child(child_request))
+    sys.exit(run_child(*asked))

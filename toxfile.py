@@ -1,0 +1,36 @@
+"""tox's hook for `.ci/run`: an env that installs torch finds it in one shared base venv instead of
+unpacking its own copy (about a GB, tens of seconds per env), as the matrix's release venvs do
+(matrix/run.py). `.ci/run` builds the base (torch through constraints.txt) and names it in
+GCPATCH_TORCH_BASE; without the variable (a plain `tox`) every env installs its own torch.
+
+The base's site-packages reach the env through a .pth file written before the env's deps install,
+so pip sees torch installed and leaves it; a package the env pins to another version is installed in
+the env itself, whose site-packages come first on sys.path.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tox.plugin import impl
+
+PTH = "_gcpatch_torch_base.pth"
+
+
+def _base_site(base: Path) -> Path | None:
+    found = sorted((base / "lib").glob("python3.*/site-packages"))
+    return found[0] if found else None
+
+
+@impl
+def tox_on_install(tox_env, arguments, section: str, of_type: str) -> None:  # noqa: ANN001 - tox's types
+    base = os.environ.get("GCPATCH_TORCH_BASE", "")
+    if of_type != "deps" or not base:
+        return
+    if not any(str(dep).replace(" ", "").startswith("torch==") for dep in tox_env.conf["deps"].lines()):
+        return
+    site = _base_site(Path(base))
+    env_site = Path(tox_env.env_site_package_dir())
+    if site is None or site.parent.name != env_site.parent.name:  # another Python: not shareable
+        return
+    (env_site / PTH).write_text(f"{site}\n")
