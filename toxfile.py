@@ -27,7 +27,9 @@ def tox_on_install(tox_env, arguments, section: str, of_type: str) -> None:  # n
     base = os.environ.get("GCPATCH_TORCH_BASE", "")
     if of_type != "deps" or not base:
         return
-    if not any(str(dep).replace(" ", "").startswith("torch==") for dep in tox_env.conf["deps"].lines()):
+    deps = tox_env.conf["deps"]  # a requirements file for a run env, a plain list for a packaging env
+    lines = deps.lines() if hasattr(deps, "lines") else [str(dep) for dep in deps]
+    if not any(line.replace(" ", "").startswith("torch==") for line in lines):
         return
     site = _base_site(Path(base))
     env_site = Path(tox_env.env_site_package_dir())
