@@ -116,11 +116,16 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 
     token = uuid.uuid4().hex
     if warm and warm_starts.enabled() and warm_starts.servable(argv, env):
         if warm_starts.under_torchrun(argv):
-            argv, env = warm_starts.torchrun_launch(argv, env)
-        else:
-            done = warm_starts.run(argv, cwd, {**env, RUN_MARK: token}, timeout, lambda pid: _kill_run(pid, token))
-            if done is not None:
-                return done
+            with warm_starts.torchrun_launch(argv, env) as (launch, launch_env):
+                return _run_fresh(launch, cwd, launch_env, timeout, token)
+        done = warm_starts.run(argv, cwd, {**env, RUN_MARK: token}, timeout, lambda pid: _kill_run(pid, token))
+        if done is not None:
+            return done
+    return _run_fresh(argv, cwd, env, timeout, token)
+
+
+def _run_fresh(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
+               token: str) -> subprocess.CompletedProcess:
     with subprocess.Popen(argv, cwd=cwd, env={**env, RUN_MARK: token}, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:

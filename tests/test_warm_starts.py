@@ -22,6 +22,11 @@ print("RESULT " + json.dumps({
     "preloaded": PRELOADED, "stdin": sys.stdin.read(),
 }))
 print("to stderr", file=sys.stderr)
+import atexit, threading, time
+atexit.register(lambda: print("ATEXIT", file=sys.stderr))
+threading.Thread(target=lambda: (time.sleep(0.3), print("THREAD JOINED", file=sys.stderr))).start()
+left_open = open(os.path.join(os.getcwd(), "left_open.txt"), "w")
+left_open.write("flushed at exit")  # never closed: the interpreter's finalization flushes it
 exit_how = sys.argv[1] if len(sys.argv) > 1 else ""
 if exit_how == "code":
     sys.exit(3)
@@ -46,8 +51,8 @@ def run(tmp_path, *args, warm=True, **env):
 
 @pytest.fixture
 def served():
-    before = sum(s.served for s in warm_starts._servers.values())
-    yield lambda: sum(s.served for s in warm_starts._servers.values()) - before
+    before = warm_starts.served()
+    yield lambda: warm_starts.served() - before
 
 
 def test_warm_run_sees_what_a_fresh_run_sees(tmp_path, served):
@@ -62,6 +67,9 @@ def test_warm_run_sees_what_a_fresh_run_sees(tmp_path, served):
     assert w["record"] == str(tmp_path / "r2")  # a variable of the run, not of the warm interpreter
     assert "to stderr" in warm.stderr and "to stderr" not in warm.stdout
     assert (f["preloaded"], w["preloaded"]) == (False, True)  # the imports it saves
+    for proc in (fresh, warm):  # a program's end: threads joined, atexit run, its open files flushed
+        assert "THREAD JOINED" in proc.stderr and proc.stderr.index("THREAD JOINED") < proc.stderr.index("ATEXIT")
+    assert (tmp_path / "work" / "left_open.txt").read_text() == "flushed at exit"
 
 
 @pytest.mark.parametrize("how, code, stderr", [("code", 3, "to stderr"), ("message", 1, "a message"),
@@ -75,12 +83,22 @@ def test_exit_status_as_the_interpreter_gives_it(tmp_path, served, how, code, st
 
 def test_environment_that_changes_imports_gets_its_own_warm_interpreter(tmp_path, served):
     run(tmp_path, WARM_PROBE="1")
-    count = len(warm_starts._servers)
+    started = warm_starts._counts["started"]
     run(tmp_path, WARM_PROBE="1", GCPATCH_RECORD="elsewhere")  # per run: the same interpreter
-    assert len(warm_starts._servers) == count
+    assert warm_starts._counts["started"] == started
     run(tmp_path, WARM_PROBE="2")  # read at import as far as anyone knows: another one
-    assert len(warm_starts._servers) == count + 1
+    assert warm_starts._counts["started"] == started + 1
     assert served() == 3
+
+
+def test_idle_warm_interpreters_beyond_the_cap_are_closed_and_their_runs_still_counted(tmp_path, monkeypatch):
+    """Each holds hundreds of MB: the longest idle goes first; what it served still counts."""
+    monkeypatch.setattr(warm_starts, "MAX_LIVE", 2)
+    before = warm_starts.served()
+    for probe in ("a", "b", "c", "a"):
+        assert run(tmp_path, WARM_PROBE=probe).returncode == 0
+        assert len(warm_starts._servers) <= 2
+    assert warm_starts.served() == before + 4
 
 
 def test_timeout_stops_the_script_and_what_it_started(tmp_path):

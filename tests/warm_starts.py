@@ -27,8 +27,9 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 HERE = Path(__file__).resolve().parent / "warm"
 SERVER, RANK = HERE / "server.py", HERE / "rank.py"
@@ -80,6 +81,8 @@ class WarmInterpreter:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, str(SERVER), self.socket], cwd=self.home, env=env,
                                          stdin=subprocess.PIPE, stdout=log, stderr=log)
+        self.users = 0  # runs holding it now (it is never closed under them)
+        self.last_used = time.monotonic()
 
     @property
     def served(self) -> int:
@@ -113,30 +116,59 @@ class WarmInterpreter:
         shutil.rmtree(self.home, ignore_errors=True)
 
 
+# A warm interpreter holds about 360 MB of its own memory; past this many, the one idle longest is
+# closed before another starts (the suite's common environments stay warm, rare ones come and go).
+MAX_LIVE = 6
 _servers: dict[tuple, WarmInterpreter] = {}
 _servers_lock = threading.Lock()
+_counts = {"started": 0, "served_by_closed": 0}
 
 
-def _server_for(env: dict[str, str]) -> WarmInterpreter:
+def _close_idle_beyond(limit: int) -> None:
+    """Close the longest-idle servers until at most `limit` are live (the caller holds the lock)."""
+    while len(_servers) > limit:
+        idle = [(s.last_used, k) for k, s in _servers.items() if s.users == 0]
+        if not idle:
+            return
+        server = _servers.pop(min(idle)[1])
+        _counts["served_by_closed"] += server.served
+        server.close()
+
+
+@contextmanager
+def _lease(env: dict[str, str]) -> Iterator[WarmInterpreter]:
+    """The warm interpreter for this environment, started if need be, held for one run."""
     start_env = {k: v for k, v in env.items() if k not in PER_RUN}
     key = tuple(sorted(start_env.items()))
     with _servers_lock:
         server = _servers.get(key)
-        if server is None or server.proc.poll() is not None:
-            if server is not None:
-                sys.stderr.write(f"warm start: a warm interpreter ended ({server.proc.returncode}); its log: "
-                                 f"{server.log}\n")
+        if server is not None and server.proc.poll() is not None:
+            sys.stderr.write(f"warm start: a warm interpreter ended ({server.proc.returncode}); its log: "
+                             f"{server.log}\n")
+            del _servers[key]
+            server = None
+        if server is None:
+            _close_idle_beyond(MAX_LIVE - 1)
             server = _servers[key] = WarmInterpreter(start_env)
-        return server
+            _counts["started"] += 1
+        server.users += 1
+    try:
+        yield server
+    finally:
+        with _servers_lock:
+            server.users -= 1
+            server.last_used = time.monotonic()
 
 
-def torchrun_launch(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+@contextmanager
+def torchrun_launch(argv: list[str], env: dict[str, str]) -> Iterator[tuple[list[str], dict[str, str]]]:
     """The same torchrun command with its ranks started warm: `--no-python python -u rank.py script ...`,
     and the warm interpreter's socket in the environment torchrun hands its ranks."""
     at = _script_at(argv)
     assert at is not None and at > 1
-    server = _server_for(env)
-    return [*argv[:at], "--no-python", sys.executable, "-u", str(RANK), *argv[at:]], {**env, SOCKET_VAR: server.socket}
+    with _lease(env) as server:
+        yield [*argv[:at], "--no-python", sys.executable, "-u", str(RANK), *argv[at:]], \
+            {**env, SOCKET_VAR: server.socket}
 
 
 def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
@@ -144,7 +176,12 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
     """Run `python script.py ...` in a child of a warm interpreter; None when none could take it
     (the caller then starts it fresh). On a timeout `kill(pid)` stops the child and what it started,
     and the returncode is None, as for a fresh run."""
-    server = _server_for(env)
+    with _lease(env) as server:
+        return _run_in(server, argv, cwd, env, timeout, kill)
+
+
+def _run_in(server: WarmInterpreter, argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
+            kill: Callable[[int], None]) -> subprocess.CompletedProcess | None:
     conn = server.connect(time.monotonic() + 120)
     if conn is None:
         sys.stderr.write(f"warm start: no warm interpreter for {argv[1]}, started fresh; its log: {server.log}\n")
@@ -166,7 +203,7 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
                 code = json.loads(line)["code"]
             else:
                 note = f"\n[the warm interpreter ended during the run; its log: {server.log}]"
-        except TimeoutError:
+        except (TimeoutError, socket.timeout):
             if pid is not None:
                 kill(pid)  # the server also stops the child's process group once this connection closes
             note = f"\n[timed out after {timeout}s]"
@@ -175,14 +212,19 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
     return subprocess.CompletedProcess(argv, code, stdout, stderr + note)
 
 
+def served() -> int:
+    """Runs the warm interpreters of this process served so far (each torchrun rank counts)."""
+    with _servers_lock:
+        return _counts["served_by_closed"] + sum(s.served for s in _servers.values())
+
+
 def summary() -> str:
-    """How many runs the warm interpreters served (each torchrun rank counts), for the session's end."""
-    served = sum(s.served for s in _servers.values())
-    return f"warm starts: {served} runs served by {len(_servers)} warm interpreters" if _servers else ""
+    """How many runs were served warm, for the session's end."""
+    count = served()
+    return f"warm starts: {count} runs served by {_counts['started']} warm interpreters" if count else ""
 
 
 @atexit.register
 def _close_all() -> None:
-    for server in list(_servers.values()):
-        server.close()
-    _servers.clear()
+    with _servers_lock:
+        _close_idle_beyond(0)
