@@ -23,7 +23,7 @@ def _base_site(base: Path) -> Path | None:
 
 
 @impl
-def tox_on_install(tox_env, arguments, section: str, of_type: str) -> None:  # noqa: ANN001 - tox's types
+def tox_on_install(tox_env, arguments, section: str, of_type: str) -> None:  # tox's own types
     base = os.environ.get("GCPATCH_TORCH_BASE", "")
     if of_type != "deps" or not base:
         return

@@ -1,7 +1,7 @@
 """Helpers of the framework-CLI runs: the framework CLIs and scripts of the axolotl / colossalai integration tests.
 
-As in `_run.py` (whose `Run` and `child_env` this reuses): every run is a fresh process of this venv,
-its cwd a temporary directory, HF_HUB_OFFLINE=1, plainly (GCPATCH=0) or with GCPATCH=1 and
+As in `_run.py` (whose `Run` and `child_env` this reuses): every run is a process of this venv (a
+script started warm, a framework CLI fresh), its cwd a temporary directory, HF_HUB_OFFLINE=1, plainly (GCPATCH=0) or with GCPATCH=1 and
 GCPATCH_RECORD=<dir>; nothing here imports gcpatch.
 
 - `build_tiny(dir)`: the tiny Llama + tokenizer (save_pretrained) + alpaca JSONL the runs load

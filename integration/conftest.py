@@ -1,7 +1,8 @@
 """Fixtures of the integration suite: every script run is a subprocess, run at most once per
 session and shared by the tests that read it. The runs a test module lists in `RUNS` are
 started in the background as soon as the first test asks for one, as many at a time as there
-are CPU cores, so the suite costs about (runs x interpreter start-up) / cores."""
+are CPU cores; each starts warm where it can (tests/warm_starts.py: a fork of an interpreter that
+has already imported the frameworks, which are most of a tiny run's cost)."""
 from __future__ import annotations
 
 import os
@@ -9,9 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from _run import Run, Spec, run_script
-import warm_starts  # noqa: E402 - on sys.path through _run
+from _run import Run, Spec, run_script, warm_starts_summary
 
 
 class ScriptRuns:
@@ -69,8 +68,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not runs:
         return
     terminalreporter.section("gcpatch integration runs")
-    if warm_starts.summary():
-        terminalreporter.write_line(warm_starts.summary())
+    if warm_starts_summary():
+        terminalreporter.write_line(warm_starts_summary())
     for spec, future in runs.items():
         if not future.done() or future.cancelled():
             continue

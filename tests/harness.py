@@ -1,5 +1,6 @@
-"""The one way every suite, benchmark and matrix cell runs user code: a fresh interpreter of
-this venv (so the INSTALLED gcpatch runs, as a user meets it), an environment that carries none
+"""The one way every suite, benchmark and matrix cell runs user code: an interpreter of this venv,
+fresh or, where the caller allows it, warm (tests/warm_starts.py) (so the INSTALLED gcpatch runs,
+as a user meets it), an environment that carries none
 of the caller's GCPATCH* variables and never reaches a hub, and one result protocol: the child
 prints `RESULT {json}`, one per process."""
 from __future__ import annotations
@@ -97,9 +98,9 @@ def _kill_run(pid: int, token: str) -> None:
     except ProcessLookupError:
         pass
     if Path("/proc/self/environ").exists():
-        for pid in _processes_marked(token):
+        for marked in _processes_marked(token):
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(marked, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 

@@ -27,9 +27,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent / "warm"
 SERVER, RANK = HERE / "server.py", HERE / "rank.py"
@@ -196,9 +197,11 @@ def _run_in(server: WarmInterpreter, argv: list[str], cwd: Path | str, env: dict
         code, pid, note = None, None, ""
         try:
             conn.settimeout(timeout)
-            pid = json.loads(answers.readline())["pid"]
-            conn.settimeout(max(0.1, deadline - time.monotonic()))
             line = answers.readline()
+            if line:
+                pid = json.loads(line)["pid"]
+                conn.settimeout(max(0.1, deadline - time.monotonic()))
+                line = answers.readline()
             if line:
                 code = json.loads(line)["code"]
             else:

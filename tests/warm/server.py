@@ -124,7 +124,7 @@ def _become(request: dict, fds: list[int]) -> None:
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                       errors="backslashreplace")
-    sys.stdin = open(0, closefd=False)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's stdin, as the interpreter opens it
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -147,7 +147,7 @@ def run_child(request: dict, fds: list[int]) -> int:
     try:
         with open(script, "rb") as f:
             code = compile(f.read(), script, "exec")
-        exec(code, main.__dict__)
+        exec(code, main.__dict__)  # noqa: S102 - running the script is the point
     except SystemExit as exc:
         if exc.code is None:
             return 0
