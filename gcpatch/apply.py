@@ -460,7 +460,9 @@ def dedupe_input_grads_hooks(model: Any) -> int:
     leaves exactly one. Returns how many were removed."""
     removed = 0
     for module in model.modules():
-        embeddings = _embeddings_of(module) if hasattr(module, "get_input_embeddings") else None
+        # looked up on the class: `hasattr` on a module goes through nn.Module.__getattr__, which
+        # raises for every layer of the tree (half of this walk's time)
+        embeddings = _embeddings_of(module) if hasattr(type(module), "get_input_embeddings") else None
         if embeddings is None:
             continue
         for key in _transformers_hooks(embeddings):

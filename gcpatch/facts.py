@@ -412,8 +412,9 @@ def installed_version(dist: str) -> str | None:
     except metadata.PackageNotFoundError:
         return None
     folder = getattr(getattr(found, "_path", None), "name", "")
-    if folder.endswith(".dist-info") and folder.count("-") == 1:
-        return folder[:-len(".dist-info")].split("-")[1]
+    stem = folder[:-len(".dist-info")] if folder.endswith(".dist-info") else ""
+    if stem.count("-") == 1:  # `name-version`: both escaped, so one dash
+        return stem.split("-")[1]
     return found.version
 
 

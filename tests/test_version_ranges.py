@@ -147,3 +147,30 @@ def test_installed_version_reads_what_importlib_metadata_reads_for_every_install
     assert len(names) > 3
     assert {n: installed_version(n) for n in names} == {n: metadata.version(n) for n in names}
     assert installed_version("no-such-distribution-gcpatch-test") is None
+
+
+def test_installed_version_of_a_wheel_reads_no_metadata(tmp_path, monkeypatch):
+    """A wheel's `name-version.dist-info` answers without METADATA being read (parsing it costs
+    milliseconds per plugin at every process's first enable); a folder that does not follow the
+    wheel spec's `name-version` is read from METADATA."""
+    from importlib import metadata
+
+    from gcpatch.facts import installed_version
+
+    site = stub_site(tmp_path, "1.2")
+    legacy = site / "legacy_fw-0.3-py3.9.dist-info"  # not `name-version`: the folder cannot say
+    legacy.mkdir()
+    (legacy / "METADATA").write_text("Metadata-Version: 2.1\nName: legacy-fw\nVersion: 0.3\n")
+    monkeypatch.syspath_prepend(str(site))
+    read: list[str] = []
+    original = metadata.PathDistribution.read_text
+
+    def counting(self, filename):
+        read.append(f"{self._path.name}/{filename}")
+        return original(self, filename)
+
+    monkeypatch.setattr(metadata.PathDistribution, "read_text", counting)
+    assert installed_version("stubfw") == "1.2"
+    assert read == []
+    assert installed_version("legacy-fw") == "0.3"
+    assert "legacy_fw-0.3-py3.9.dist-info/METADATA" in read
