@@ -117,9 +117,9 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 
     token = uuid.uuid4().hex
     if warm and warm_starts.enabled() and warm_starts.servable(argv, env):
         if warm_starts.under_torchrun(argv):
-            with warm_starts.torchrun_launch(argv, env) as (launch, launch_env):
-                return _run_fresh(launch, cwd, launch_env, timeout, token)
-        done = warm_starts.run(argv, cwd, {**env, RUN_MARK: token}, timeout, lambda pid: _kill_run(pid, token))
+            with warm_starts.torchrun_launch(argv, env) as launch:
+                return _run_fresh(launch, cwd, env, timeout, token)
+        done = warm_starts.run(argv, cwd, env, timeout, lambda pid: _kill_run(pid, token), {RUN_MARK: token})
         if done is not None:
             return done
     return _run_fresh(argv, cwd, env, timeout, token)

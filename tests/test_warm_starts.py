@@ -138,7 +138,7 @@ RANK_SCRIPT = """\
 import json, os, sys
 print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), "world": os.environ["WORLD_SIZE"],
       "local": os.environ["LOCAL_RANK"], "run_id": "TORCHELASTIC_RUN_ID" in os.environ, "argv": sys.argv[1:],
-      "preloaded": PRELOADED, "socket": "GCPATCH_TEST_WARM_SOCKET" in os.environ}), flush=True)
+      "preloaded": PRELOADED, "env": sorted(os.environ)}), flush=True)
 if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
     sys.exit(3)
 if sys.argv[1] == "abort" and os.environ["RANK"] == "1":
@@ -158,8 +158,12 @@ def test_torchrun_ranks_start_warm_with_the_environment_torchrun_gives(tmp_path,
     for proc, preloaded in ((fresh, False), (warm, True)):
         results = sorted(harness.parse_results(proc.stdout), key=lambda r: r["rank"])
         assert [r["rank"] for r in results] == [0, 1], proc.stderr
-        assert all(r["preloaded"] is preloaded and r["world"] == "2" and r["run_id"] and not r["socket"]
-                   and r["argv"] == [how] for r in results)
+        assert all(r["preloaded"] is preloaded and r["world"] == "2" and r["run_id"] and r["argv"] == [how]
+                   for r in results)
+    # the same variables as a rank torchrun started itself: nothing of the warm start leaks into them
+    envs = [[r["env"] for r in sorted(harness.parse_results(proc.stdout), key=lambda r: r["rank"])]
+            for proc in (fresh, warm)]
+    assert envs[0] and envs[0] == envs[1]
     assert (fresh.returncode == 0) is (warm.returncode == 0) is (how == "ok")
     if how != "ok":  # torchrun names the failed rank and its exit code, -6 for SIGABRT
         code = "3" if how == "fail" else "-6"

@@ -27,22 +27,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 HERE = Path(__file__).resolve().parent / "warm"
 SERVER, RANK = HERE / "server.py", HERE / "rank.py"
-SOCKET_VAR = "GCPATCH_TEST_WARM_SOCKET"
 TORCHRUN = ("-m", "torch.distributed.run")
 # Variables whose value nothing uses before the script's own first call: gcpatch's record folder, verify,
 # memory budget and local plugins (used from the first checkpointing call on: engine._load, pipeline,
 # verify, planner; at import gcpatch uses only GCPATCH, GCPATCH_MODE and GCPATCH_DISABLE_PLUGINS,
-# engine.arm), the rendezvous port (init_process_group), the run's kill token and the socket itself.
-# Runs that differ only in these share a warm interpreter, whose environment lacks them.
+# engine.arm) and the rendezvous port (init_process_group). Runs that differ only in these share a warm
+# interpreter, whose environment lacks them.
 PER_RUN = frozenset({"GCPATCH_RECORD", "GCPATCH_VERIFY", "GCPATCH_MEMORY_BUDGET", "GCPATCH_LOCAL_PLUGINS",
-                     "GCPATCH_TEST_RUN", "MASTER_PORT", SOCKET_VAR})
+                     "MASTER_PORT"})
 
 
 def enabled() -> bool:
@@ -162,23 +161,23 @@ def _lease(env: dict[str, str]) -> Iterator[WarmInterpreter]:
 
 
 @contextmanager
-def torchrun_launch(argv: list[str], env: dict[str, str]) -> Iterator[tuple[list[str], dict[str, str]]]:
-    """The same torchrun command with its ranks started warm: `--no-python python -u rank.py script ...`,
-    and the warm interpreter's socket in the environment torchrun hands its ranks."""
+def torchrun_launch(argv: list[str], env: dict[str, str]) -> Iterator[list[str]]:
+    """The same torchrun command with its ranks started warm: `--no-python python -u rank.py SOCKET
+    script ...`, SOCKET the warm interpreter's for this environment."""
     at = _script_at(argv)
     assert at is not None and at > 1
     with _lease(env) as server:
-        yield [*argv[:at], "--no-python", sys.executable, "-u", str(RANK), *argv[at:]], \
-            {**env, SOCKET_VAR: server.socket}
+        yield [*argv[:at], "--no-python", sys.executable, "-u", str(RANK), server.socket, *argv[at:]]
 
 
 def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
-        kill: Callable[[int], None]) -> subprocess.CompletedProcess | None:
+        kill: Callable[[int], None], mark: Mapping[str, str]) -> subprocess.CompletedProcess | None:
     """Run `python script.py ...` in a child of a warm interpreter; None when none could take it
-    (the caller then starts it fresh). On a timeout `kill(pid)` stops the child and what it started,
-    and the returncode is None, as for a fresh run."""
+    (the caller then starts it fresh). `mark`: variables of this child alone (the harness's kill
+    token), not of the interpreter that serves it. On a timeout `kill(pid)` stops the child and what
+    it started, and the returncode is None, as for a fresh run."""
     with _lease(env) as server:
-        return _run_in(server, argv, cwd, env, timeout, kill)
+        return _run_in(server, argv, cwd, {**env, **mark}, timeout, kill)
 
 
 def _run_in(server: WarmInterpreter, argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,

@@ -1,6 +1,6 @@
 """One torchrun rank started warm: torchrun (`--no-python`) starts this small client in the rank's
-place, with the rank's environment; it asks the warm interpreter named by GCPATCH_TEST_WARM_SOCKET
-to run the script with that environment, cwd and this process's stdin, stdout and stderr, forwards
+place (`rank.py SOCKET script ...`), with the rank's environment; it asks the warm interpreter
+listening on SOCKET to run the script with that environment, cwd and this process's stdin, stdout and stderr, forwards
 the signals torchrun sends, and ends as the rank ended (its exit status, or the same signal), so
 that torchrun sees what it would have seen of a rank it started itself.
 """
@@ -12,15 +12,11 @@ import signal
 import socket
 import sys
 
-SOCKET_VAR = "GCPATCH_TEST_WARM_SOCKET"
-
-
 def main() -> int:
-    env = dict(os.environ)
-    path = env.pop(SOCKET_VAR)
+    path, script = sys.argv[1], sys.argv[2:]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
-    request = {"argv": [sys.executable, *sys.argv[1:]], "cwd": os.getcwd(), "env": env, "unbuffered": True}
+    request = {"argv": [sys.executable, *script], "cwd": os.getcwd(), "env": dict(os.environ), "unbuffered": True}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     answers = conn.makefile("rb")
     pid = json.loads(answers.readline())["pid"]
