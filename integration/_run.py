@@ -20,7 +20,7 @@ from packaging.version import Version
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # scripts run outside pytest too
 from harness import child_env, free_port, parse_results, torchrun_argv  # noqa: E402
 from harness import run as harness_run  # noqa: E402
-from warm_starts import summary as warm_starts_summary  # noqa: E402
+from warm_starts import summary as warm_starts_summary  # noqa: E402, F401 - conftest reads it from here
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # A decision's short line on the console (gcpatch/headline.py)
