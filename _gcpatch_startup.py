@@ -9,12 +9,15 @@ PYTEST_DONT_REWRITE: pytest marks every top-level module of a distribution with 
 point for assertion rewriting and warns (PytestAssertRewriteWarning, an error under `-W error`)
 for one already imported, as this one is by the .pth line. It holds no test helpers to rewrite.
 """
+
 import os
 import sys
 
 # The packages whose first import starts gcpatch. torch is one: a hand-written model meets gcpatch
 # only at the checkpoint call (CK1-CK3). Third-party plugins are loaded then too.
-TRIGGERS = frozenset({"torch", "transformers", "peft", "trl", "axolotl", "colossalai", "accelerate", "deepspeed"})
+TRIGGERS = frozenset(
+    {"torch", "transformers", "peft", "trl", "axolotl", "colossalai", "accelerate", "deepspeed"}
+)
 _OFF = ("", "0", "false", "no", "off")
 
 
@@ -76,4 +79,6 @@ def _import_gcpatch():
 
 
 def _failed(exc):
-    sys.stderr.write(f"gcpatch: start-up hook failed, continuing without it ({type(exc).__name__}: {exc})\n")
+    sys.stderr.write(
+        f"gcpatch: start-up hook failed, continuing without it ({type(exc).__name__}: {exc})\n"
+    )

@@ -7,6 +7,7 @@ The base's site-packages reach the env through a .pth file written before the en
 so pip sees torch installed and leaves it; a package the env pins to another version is installed in
 the env itself, whose site-packages come first on sys.path.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,9 @@ def tox_on_install(tox_env, arguments, section: str, of_type: str) -> None:  # t
     base = os.environ.get("GCPATCH_TORCH_BASE", "")
     if of_type != "deps" or not base:
         return
-    deps = tox_env.conf["deps"]  # a requirements file for a run env, a plain list for a packaging env
+    deps = tox_env.conf[
+        "deps"
+    ]  # a requirements file for a run env, a plain list for a packaging env
     lines = deps.lines() if hasattr(deps, "lines") else [str(dep) for dep in deps]
     if not any(line.replace(" ", "").startswith("torch==") for line in lines):
         return

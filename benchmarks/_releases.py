@@ -1,6 +1,7 @@
 """What the per-release benchmarks (compile_cost.py, import_cost.py) share: fresh interpreters of
 a venv given on the command line (one venv per transformers release), and results kept per release
 in a JSON file from which the markdown table is regenerated (`--table-only` rewrites it alone)."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,24 +25,41 @@ def child_env(gcpatch: bool, **extra: str) -> dict[str, str]:
 
 
 def release(python: str) -> str:
-    return subprocess.run([python, "-c", "import transformers; print(transformers.__version__)"], capture_output=True,
-                          text=True, env=child_env(False), check=True).stdout.strip()
+    return subprocess.run(
+        [python, "-c", "import transformers; print(transformers.__version__)"],
+        capture_output=True,
+        text=True,
+        env=child_env(False),
+        check=True,
+    ).stdout.strip()
 
 
-def main(parser: argparse.ArgumentParser, measure: Callable[[str, argparse.Namespace], dict[str, Any]],
-         table: Callable[[dict], str], results_path: Path, table_path: Path) -> None:
+def main(
+    parser: argparse.ArgumentParser,
+    measure: Callable[[str, argparse.Namespace], dict[str, Any]],
+    table: Callable[[dict], str],
+    results_path: Path,
+    table_path: Path,
+) -> None:
     """Measure each `--python` (default: this interpreter), merge into `results_path` under its
     transformers release, and write the table generated from all releases measured so far."""
-    parser.add_argument("--python", action="append", help="a venv's interpreter (repeat: one per release)")
-    parser.add_argument("--table-only", action="store_true", help="regenerate the table from the JSON")
+    parser.add_argument(
+        "--python", action="append", help="a venv's interpreter (repeat: one per release)"
+    )
+    parser.add_argument(
+        "--table-only", action="store_true", help="regenerate the table from the JSON"
+    )
     args = parser.parse_args()
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     if not args.table_only:
         for python in args.python or [sys.executable]:
             name = release(python)
             print(f"{python}: transformers {name}", file=sys.stderr)
-            results[name] = {**measure(python, args), "when": time.strftime("%Y-%m-%d %H:%M"),
-                             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"}
+            results[name] = {
+                **measure(python, args),
+                "when": time.strftime("%Y-%m-%d %H:%M"),
+                "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+            }
         results_path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     table_path.write_text(table(results))
     print(table_path.read_text())

@@ -11,6 +11,7 @@ as GCPATCH=1 at start-up) and builds gcpatch's variant. So the hand variants run
 transformers' own code, and every variant of a set-up lives in one process, where their
 training steps can be interleaved round by round to cancel this shared machine's drift.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,11 +31,17 @@ def _now_ms() -> float:
 # enable: import cost inside the process, and the enable call on fresh tiny models
 # --------------------------------------------------------------------------------------------
 
+
 def task_enable(args: dict) -> dict:
     t0 = _now_ms()
     import transformers  # noqa: F401  (lazy module: the watcher starts gcpatch's engine here)
+
     t1 = _now_ms()
-    from transformers import LlamaConfig, LlamaForCausalLM  # torch + modeling_utils: patches installed
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+    )  # torch + modeling_utils: patches installed
+
     t2 = _now_ms()
     import torch
 
@@ -56,7 +63,9 @@ def task_enable(args: dict) -> dict:
     first = enable(tiny_models[0])  # the first enable in the process (one-off costs included)
     tiny_ms = [enable(m) for m in tiny_models[1:]]  # each model's own first enable
     small_ms = [enable(m) for m in small_models]
-    again_ms = [enable(tiny_models[1]) for _ in range(n)]  # the same model enabled again (Trainer re-enable)
+    again_ms = [
+        enable(tiny_models[1]) for _ in range(n)
+    ]  # the same model enabled again (Trainer re-enable)
     active = "gcpatch.engine" in sys.modules and sys.modules["gcpatch.engine"]._host is not None
     versions_ms = None
     if active:  # what each decision's version look-up costs (facts.versions)
@@ -86,16 +95,37 @@ def task_enable(args: dict) -> dict:
 
 SETUPS = {
     # name: (what the user trains, the mode the model is left in, the user's ask, the input)
-    "full": dict(train="all", mode="train", ask=None, feed="input_ids",
-                 label="full fine-tune, asks nothing"),
-    "full_reentrant": dict(train="all", mode="train", ask=True, feed="input_ids",
-                           label="full fine-tune, asks use_reentrant=True"),
-    "lora": dict(train="qv", mode="train", ask=True, feed="input_ids",
-                 label="LoRA-like (q/v trainable), asks use_reentrant=True"),
-    "lora_embeds": dict(train="qv", mode="train", ask=True, feed="inputs_embeds",
-                        label="LoRA-like, inputs_embeds (VLM-style), asks use_reentrant=True"),
-    "eval": dict(train="all", mode="eval", ask=None, feed="input_ids",
-                 label="full fine-tune, model left in eval mode, asks nothing"),
+    "full": dict(
+        train="all", mode="train", ask=None, feed="input_ids", label="full fine-tune, asks nothing"
+    ),
+    "full_reentrant": dict(
+        train="all",
+        mode="train",
+        ask=True,
+        feed="input_ids",
+        label="full fine-tune, asks use_reentrant=True",
+    ),
+    "lora": dict(
+        train="qv",
+        mode="train",
+        ask=True,
+        feed="input_ids",
+        label="LoRA-like (q/v trainable), asks use_reentrant=True",
+    ),
+    "lora_embeds": dict(
+        train="qv",
+        mode="train",
+        ask=True,
+        feed="inputs_embeds",
+        label="LoRA-like, inputs_embeds (VLM-style), asks use_reentrant=True",
+    ),
+    "eval": dict(
+        train="all",
+        mode="eval",
+        ask=None,
+        feed="input_ids",
+        label="full fine-tune, model left in eval mode, asks nothing",
+    ),
 }
 
 
@@ -107,7 +137,9 @@ class SavedBytes:
     def __init__(self, model) -> None:
         import torch
 
-        self.skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+        self.skip = {
+            t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())
+        }
         self.packed = 0
         self.count = 0
         self.storages: dict[int, int] = {}
@@ -133,8 +165,11 @@ class SavedBytes:
 
 
 def _layers(model):
-    return [m for m in model.modules() if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)] \
-        or list(model.model.layers)
+    return [
+        m
+        for m in model.modules()
+        if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
+    ] or list(model.model.layers)
 
 
 def task_case(args: dict) -> dict:
@@ -158,8 +193,12 @@ def task_case(args: dict) -> dict:
     def build(setup: dict, variant: str):
         model = copy.deepcopy(base)
         for name, param in model.named_parameters():
-            param.requires_grad_(setup["train"] == "all" or name.endswith(("q_proj.weight", "v_proj.weight")))
-        mode = "train" if variant.startswith("hand-train") else setup["mode"]  # hand fix: model.train()
+            param.requires_grad_(
+                setup["train"] == "all" or name.endswith(("q_proj.weight", "v_proj.weight"))
+            )
+        mode = (
+            "train" if variant.startswith("hand-train") else setup["mode"]
+        )  # hand fix: model.train()
         model.train(mode == "train")
         if variant != "plain":
             model.config.use_cache = False  # what a careful user (and gcpatch, R6) does
@@ -187,10 +226,13 @@ def task_case(args: dict) -> dict:
         boundary = 0
         handles = []
         if variant == "none":  # tag what is saved inside the layers, and what enters them
+
             def pre(module, inputs):
                 nonlocal boundary
                 counter.inside += 1
-                boundary += sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+                boundary += sum(
+                    t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)
+                )
 
             def post(module, inputs, output):
                 counter.inside -= 1
@@ -206,11 +248,19 @@ def task_case(args: dict) -> dict:
             loss.backward()
         except RuntimeError as exc:  # reentrant with no input requiring grad: nothing trains
             error = str(exc).splitlines()[0]
-        result = {"packed": counter.packed, "unique": counter.unique, "saved_tensors": counter.count,
-                  "error": error, "hooks": _hook_count(model)}
+        result = {
+            "packed": counter.packed,
+            "unique": counter.unique,
+            "saved_tensors": counter.count,
+            "error": error,
+            "hooks": _hook_count(model),
+        }
         if variant == "none":
-            result.update(floor_packed=counter.packed_outside + boundary, boundary=boundary,
-                          outside=counter.packed_outside)
+            result.update(
+                floor_packed=counter.packed_outside + boundary,
+                boundary=boundary,
+                outside=counter.packed_outside,
+            )
         return result
 
     names = args["setups"]
@@ -244,10 +294,17 @@ def task_case(args: dict) -> dict:
         # Gradient correctness against the same set-up without checkpointing.
         ref = {n: p.grad for n, p in models[name]["none"].named_parameters() if p.requires_grad}
         for variant, model in models[name].items():
-            bad = sum(1 for n, p in model.named_parameters() if p.requires_grad and (
-                p.grad is None or not torch.allclose(p.grad, ref[n], rtol=1e-4, atol=1e-6)))
-            out[name][variant].update(wrong_grads=bad, trainable=len(ref),
-                                      correct=bad == 0 and out[name][variant]["error"] is None)
+            bad = sum(
+                1
+                for n, p in model.named_parameters()
+                if p.requires_grad
+                and (p.grad is None or not torch.allclose(p.grad, ref[n], rtol=1e-4, atol=1e-6))
+            )
+            out[name][variant].update(
+                wrong_grads=bad,
+                trainable=len(ref),
+                correct=bad == 0 and out[name][variant]["error"] is None,
+            )
 
         # gcpatch's use_reentrant made by hand: the variant its step time is compared with.
         choice = "R" if applied.get("use_reentrant") else "NR"
@@ -260,19 +317,36 @@ def task_case(args: dict) -> dict:
             timed.append("plain")  # what the eval-mode user runs without gcpatch
         elif name == "full":
             timed.append("none")  # what checkpointing itself costs
-        steps = _interleaved_steps({v: models[name][v] for v in timed}, forward_of(setup),
-                                   int(args["warmup"]), int(args["steps"]))
-        results.append({
-            "setup": name, "label": setup["label"], "ask": setup["ask"], "mode": setup["mode"],
-            "variants": out[name], "same_choice": same, "other_choice": other if other in timed else None,
-            "step_s": steps,
-            "trainable_params": sum(p.numel() for p in models[name]["gcpatch"].parameters() if p.requires_grad),
-        })
+        steps = _interleaved_steps(
+            {v: models[name][v] for v in timed},
+            forward_of(setup),
+            int(args["warmup"]),
+            int(args["steps"]),
+        )
+        results.append(
+            {
+                "setup": name,
+                "label": setup["label"],
+                "ask": setup["ask"],
+                "mode": setup["mode"],
+                "variants": out[name],
+                "same_choice": same,
+                "other_choice": other if other in timed else None,
+                "step_s": steps,
+                "trainable_params": sum(
+                    p.numel() for p in models[name]["gcpatch"].parameters() if p.requires_grad
+                ),
+            }
+        )
         for variant in timed:  # free the optimiser-trained copies before the next set-up
             models[name][variant] = None
-    return {"cases": results, "threads": torch.get_num_threads(), "import_gcpatch_ms": import_gcpatch_ms,
-            "params": sum(p.numel() for p in base.parameters()),
-            "attn": getattr(config, "_attn_implementation", None)}
+    return {
+        "cases": results,
+        "threads": torch.get_num_threads(),
+        "import_gcpatch_ms": import_gcpatch_ms,
+        "params": sum(p.numel() for p in base.parameters()),
+        "attn": getattr(config, "_attn_implementation", None),
+    }
 
 
 def _inputs_require_grad(model) -> None:
@@ -295,7 +369,12 @@ def _hook_count(model) -> int:
     a training step runs besides the model's own."""
     count = 0
     for module in model.modules():
-        for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        for attr in (
+            "_forward_pre_hooks",
+            "_forward_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+        ):
             count += len(getattr(module, attr, {}) or {})
         func = getattr(module, "_gradient_checkpointing_func", None)
         if func is not None and not isinstance(func, functools.partial):
@@ -308,12 +387,14 @@ def _interleaved_steps(models: dict, forward, warmup: int, steps: int) -> dict:
     order so that no variant always runs first or last."""
     import torch
 
-    optims = {v: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5)
-              for v, m in models.items()}
+    optims = {
+        v: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5)
+        for v, m in models.items()
+    }
     names = list(models)
     times: dict[str, list[float]] = {v: [] for v in names}
     for round_ in range(warmup + steps):
-        order = names[round_ % len(names):] + names[: round_ % len(names)]
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for variant in order:
             model, optim = models[variant], optims[variant]
             optim.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ by round; a figure is the median over rounds of (best per-call time with gcpatch
 call is the smallest real one, timed in CPU time of the process (best of 15 batches) (a 4x4 Linear on a 2x4 tensor, forward only: the wrapper's cost is
 paid in the forward; the recompute pays one extra Python frame), so the difference is gcpatch's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,14 +98,18 @@ print(json.dumps(out))
 def measure_isolated() -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH")}
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", ISOLATED], env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", ISOLATED], env=env, capture_output=True, text=True, check=True
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def measure(gcpatch: bool) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH")}
     env.update(GCPATCH="1" if gcpatch else "0", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, check=True
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -125,10 +130,17 @@ def report(rounds: list[tuple[dict, dict]], isolated: list[dict]) -> str:
         plain = statistics.median(p[name] for p, _ in rounds)
         ours = statistics.median(g[name] for _, g in rounds)
         added = statistics.median(g[name] - p[name] for p, g in rounds)
-        lines.append(f"| {name} | {plain:.2f} | {ours:.2f} | {added:+.2f} | {'met' if added <= TARGET_US else '**missed**'} |")
-    lines += ["", "The decision point alone (gcpatch's wrapper around a no-op stand-in for torch's checkpoint, "
-              f"median of {len(isolated)} fresh interpreters, best of 15 batches of 20000 calls each):", "",
-              f"| call | added by gcpatch (us) | target <= {TARGET_US:g} us |", "| --- | --- | --- |"]
+        lines.append(
+            f"| {name} | {plain:.2f} | {ours:.2f} | {added:+.2f} | {'met' if added <= TARGET_US else '**missed**'} |"
+        )
+    lines += [
+        "",
+        "The decision point alone (gcpatch's wrapper around a no-op stand-in for torch's checkpoint, "
+        f"median of {len(isolated)} fresh interpreters, best of 15 batches of 20000 calls each):",
+        "",
+        f"| call | added by gcpatch (us) | target <= {TARGET_US:g} us |",
+        "| --- | --- | --- |",
+    ]
     for name in isolated[0]:
         added = statistics.median(i[name] for i in isolated)
         verdict = "met" if added <= TARGET_US else "**missed**"
@@ -148,19 +160,29 @@ def report(rounds: list[tuple[dict, dict]], isolated: list[dict]) -> str:
 
 
 def _torch_version() -> str:
-    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
-                          text=True, env={**os.environ, "GCPATCH": "0"})
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GCPATCH": "0"},
+    )
     return proc.stdout.strip()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=str(HERE / "CHECKPOINT_CALL.md"), help="a file, or - for stdout")
+    parser.add_argument(
+        "--out", default=str(HERE / "CHECKPOINT_CALL.md"), help="a file, or - for stdout"
+    )
     args = parser.parse_args()
     rounds = []
     for i in range(args.rounds):
-        pair = (measure(False), measure(True)) if i % 2 == 0 else tuple(reversed((measure(True), measure(False))))
+        pair = (
+            (measure(False), measure(True))
+            if i % 2 == 0
+            else tuple(reversed((measure(True), measure(False))))
+        )
         rounds.append(pair)
     isolated = [measure_isolated() for _ in range(3)]
     text = report(rounds, isolated)

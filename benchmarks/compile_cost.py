@@ -14,6 +14,7 @@ process: other jobs on a shared machine do not count). The gradients of the firs
 compiled step are compared with the same model run eagerly without checkpointing.
 Results are merged into benchmarks/COMPILE.json per transformers release; COMPILE.md is generated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,11 +79,21 @@ print("RESULT " + json.dumps({"transformers": tf_version, "torch": torch.__versi
 
 def run(python: str, variant: str, backend: str, steps: int) -> dict:
     # inductor's on-disk caches off: every first step compiles from nothing, in every variant
-    env = child_env(variant == "gcpatch", TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
-                    **({"PYTHONPATH": str(BLUNT)} if variant == "blunt" else {}))
+    env = child_env(
+        variant == "gcpatch",
+        TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+        TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+        **({"PYTHONPATH": str(BLUNT)} if variant == "blunt" else {}),
+    )
     cache_off = "1" if variant == "plain, use_cache off" else "0"
-    proc = subprocess.run([python, "-c", WORKER, backend, str(steps), cache_off], env=env, capture_output=True, text=True,
-                          timeout=1200, cwd=HERE)
+    proc = subprocess.run(
+        [python, "-c", WORKER, backend, str(steps), cache_off],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=HERE,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{variant}/{backend} failed:\n{proc.stderr[-3000:]}")
     return harness.result_of(proc)
@@ -97,27 +108,44 @@ def measure(python: str, args: argparse.Namespace) -> dict:
         for _ in range(args.rounds):
             for variant in VARIANTS:
                 runs[variant].append(run(python, variant, backend, args.steps))
-                print(f"  {backend} {variant}: {runs[variant][-1]['graph_breaks']} breaks, "
-                      f"{runs[variant][-1]['step_ms']:.1f} ms/step", file=sys.stderr)
-        out[backend] = {v: {**r[0], "first_step_s": statistics.median(x["first_step_s"] for x in r),
-                            "step_ms": statistics.median(x["step_ms"] for x in r), "rounds": len(r)}
-                        for v, r in runs.items()}
+                print(
+                    f"  {backend} {variant}: {runs[variant][-1]['graph_breaks']} breaks, "
+                    f"{runs[variant][-1]['step_ms']:.1f} ms/step",
+                    file=sys.stderr,
+                )
+        out[backend] = {
+            v: {
+                **r[0],
+                "first_step_s": statistics.median(x["first_step_s"] for x in r),
+                "step_ms": statistics.median(x["step_ms"] for x in r),
+                "rounds": len(r),
+            }
+            for v, r in runs.items()
+        }
     return {"torch": out[BACKENDS[0]]["plain"]["torch"], "backends": out}
 
 
 def table(results: dict) -> str:
-    lines = ["# torch.compile: what gcpatch adds to a compiled training step", "",
-             "Reproduce: `python benchmarks/compile_cost.py --python <venv>/bin/python ...` (one venv per transformers "
-             "release; this file is generated from COMPILE.json). A tiny Llama, embedding frozen, "
-             "`gradient_checkpointing_enable()` with default arguments, `torch.compile(model, backend=...)`, CPU, one "
-             "thread. Plain: GCPATCH=0; gcpatch: GCPATCH=1; blunt: a plain function forcing use_reentrant=False "
-             "(integration/blunt); plain, use_cache off: GCPATCH=0 with `config.use_cache=False` as R6 sets it. Breaks and graphs at the first step; recompiles after it; step time: median of "
-             "the later steps after warm-up, in the process's CPU time (medians over rounds); gradient: the first compiled step against the "
-             "model run eagerly without checkpointing (max abs difference).", ""]
+    lines = [
+        "# torch.compile: what gcpatch adds to a compiled training step",
+        "",
+        "Reproduce: `python benchmarks/compile_cost.py --python <venv>/bin/python ...` (one venv per transformers "
+        "release; this file is generated from COMPILE.json). A tiny Llama, embedding frozen, "
+        "`gradient_checkpointing_enable()` with default arguments, `torch.compile(model, backend=...)`, CPU, one "
+        "thread. Plain: GCPATCH=0; gcpatch: GCPATCH=1; blunt: a plain function forcing use_reentrant=False "
+        "(integration/blunt); plain, use_cache off: GCPATCH=0 with `config.use_cache=False` as R6 sets it. Breaks and graphs at the first step; recompiles after it; step time: median of "
+        "the later steps after warm-up, in the process's CPU time (medians over rounds); gradient: the first compiled step against the "
+        "model run eagerly without checkpointing (max abs difference).",
+        "",
+    ]
     for release, entry in sorted(results.items()):
-        lines += [f"## transformers {release} (torch {entry['torch']}; {entry['when']}, {entry['machine']})", "",
-                  "| backend | variant | graph breaks | graphs | recompiles | first step (s) | step (ms) | "
-                  "step / plain | max grad diff |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"## transformers {release} (torch {entry['torch']}; {entry['when']}, {entry['machine']})",
+            "",
+            "| backend | variant | graph breaks | graphs | recompiles | first step (s) | step (ms) | "
+            "step / plain | max grad diff |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for backend in BACKENDS:
             figures = entry["backends"].get(backend, {})
             plain = figures.get("plain", {}).get("step_ms")
@@ -126,11 +154,19 @@ def table(results: dict) -> str:
                 if f is None:
                     continue
                 ratio = f"{f['step_ms'] / plain:.3f}x" if plain else "-"
-                lines.append(f"| {backend} | {variant} | {f['graph_breaks']} | {f['graphs_first_step']} | "
-                             f"{f['recompiles']} | {f['first_step_s']:.2f} | {f['step_ms']:.1f} | {ratio} | "
-                             f"{f['max_grad_diff']:.1e} |")
-        reasons = sorted({r for b in entry["backends"].values() for v in b.values() for r in v["break_reasons"]})
-        lines += ["", "Graph-break reasons seen (any variant): " + "; ".join(f"`{r}`" for r in reasons), ""]
+                lines.append(
+                    f"| {backend} | {variant} | {f['graph_breaks']} | {f['graphs_first_step']} | "
+                    f"{f['recompiles']} | {f['first_step_s']:.2f} | {f['step_ms']:.1f} | {ratio} | "
+                    f"{f['max_grad_diff']:.1e} |"
+                )
+        reasons = sorted(
+            {r for b in entry["backends"].values() for v in b.values() for r in v["break_reasons"]}
+        )
+        lines += [
+            "",
+            "Graph-break reasons seen (any variant): " + "; ".join(f"`{r}`" for r in reasons),
+            "",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ tiny Llama the first `gradient_checkpointing_enable()` (gcpatch's plugins load t
 first enable of a second model. Times are the process's CPU time (`time.process_time`): other
 jobs on a shared machine do not count. A figure is the median over rounds of the paired difference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ TARGET_IMPORT_MS = 20.0
 CODES = {
     "import torch": "import time; t = time.process_time(); import torch; d = {'import torch': time.process_time() - t}",
     "import transformers": "import time; t = time.process_time(); import transformers; "
-                           "d = {'import transformers': time.process_time() - t}",
+    "d = {'import transformers': time.process_time() - t}",
     "enable": """
 import time, sys
 import torch
@@ -42,13 +43,24 @@ t = time.process_time(); b.gradient_checkpointing_enable(); second = time.proces
 d = {'first enable in the process': first, "a second model's first enable": second}
 """,
 }
-ROWS = ("import torch", "import transformers", "first enable in the process", "a second model's first enable")
+ROWS = (
+    "import torch",
+    "import transformers",
+    "first enable in the process",
+    "a second model's first enable",
+)
 TAIL = "\nimport json; print('RESULT ' + json.dumps(d))"
 
 
 def once(python: str, code: str, gcpatch: bool) -> dict:
-    proc = subprocess.run([python, "-c", code + TAIL], env=child_env(gcpatch, GCPATCH_LOG="off"), capture_output=True,
-                          text=True, timeout=300, cwd=HERE)
+    proc = subprocess.run(
+        [python, "-c", code + TAIL],
+        env=child_env(gcpatch, GCPATCH_LOG="off"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=HERE,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{code[:40]!r} failed:\n{proc.stderr[-2000:]}")
     return harness.result_of(proc)
@@ -66,29 +78,45 @@ def measure(python: str, args: argparse.Namespace) -> dict:
     for name, values in pairs.items():
         plain = statistics.median(p for p, _ in values)
         gc = statistics.median(g for _, g in values)
-        out[name] = {"plain_ms": plain, "gcpatch_ms": gc, "added_ms": statistics.median(g - p for p, g in values),
-                     "ratio": statistics.median(g / p for p, g in values), "rounds": len(values)}
+        out[name] = {
+            "plain_ms": plain,
+            "gcpatch_ms": gc,
+            "added_ms": statistics.median(g - p for p, g in values),
+            "ratio": statistics.median(g / p for p, g in values),
+            "rounds": len(values),
+        }
     return {"figures": out, "rounds": args.rounds}
 
 
 def table(results: dict) -> str:
-    lines = ["# GCPATCH=1 at import and at the first enable", "",
-             "Reproduce: `python benchmarks/import_cost.py --python <venv>/bin/python ...` (this file is generated "
-             "from IMPORT_COST.json). Paired fresh interpreters (GCPATCH=0 / GCPATCH=1, alternating order), CPU "
-             "time of the process taken inside it; figures are medians over rounds. At the first framework import gcpatch only "
-             "arms its patch points (no pluggy, no entry-point scan, no plugin, no crash notes); the plugins load at "
-             "the first call through a patch point, here the first enable.", ""]
+    lines = [
+        "# GCPATCH=1 at import and at the first enable",
+        "",
+        "Reproduce: `python benchmarks/import_cost.py --python <venv>/bin/python ...` (this file is generated "
+        "from IMPORT_COST.json). Paired fresh interpreters (GCPATCH=0 / GCPATCH=1, alternating order), CPU "
+        "time of the process taken inside it; figures are medians over rounds. At the first framework import gcpatch only "
+        "arms its patch points (no pluggy, no entry-point scan, no plugin, no crash notes); the plugins load at "
+        "the first call through a patch point, here the first enable.",
+        "",
+    ]
     for release, entry in sorted(results.items()):
-        lines += [f"## transformers {release} ({entry['when']}, {entry['machine']}, {entry['rounds']} rounds)", "",
-                  "| what | plain (ms) | GCPATCH=1 (ms) | added (ms) | ratio | target |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"## transformers {release} ({entry['when']}, {entry['machine']}, {entry['rounds']} rounds)",
+            "",
+            "| what | plain (ms) | GCPATCH=1 (ms) | added (ms) | ratio | target |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for name in sorted(entry["figures"], key=ROWS.index):  # the JSON keeps its keys sorted
             f = entry["figures"][name]
             target = ""
             if name.startswith("import"):
-                target = f"<= +{TARGET_IMPORT_MS:.0f} ms: " + ("met" if f["added_ms"] <= TARGET_IMPORT_MS else "**missed**")
-            lines.append(f"| {name} | {f['plain_ms']:.1f} | {f['gcpatch_ms']:.1f} | {f['added_ms']:+.2f} | "
-                         f"{f['ratio']:.3f}x | {target} |")
+                target = f"<= +{TARGET_IMPORT_MS:.0f} ms: " + (
+                    "met" if f["added_ms"] <= TARGET_IMPORT_MS else "**missed**"
+                )
+            lines.append(
+                f"| {name} | {f['plain_ms']:.1f} | {f['gcpatch_ms']:.1f} | {f['added_ms']:+.2f} | "
+                f"{f['ratio']:.3f}x | {target} |"
+            )
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,7 @@
 """Measuring: every figure of the benchmark, taken in fresh processes (a venv without gcpatch,
 one with it, GCPATCH unset and =1), variants interleaved round by round in rotating order.
 Returns raw figures only; report.py turns them into RESULTS.md."""
+
 from __future__ import annotations
 
 import json
@@ -17,25 +18,69 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-from harness import child_env as _child_env, result_of  # noqa: E402
+from harness import child_env as _child_env  # noqa: E402
+from harness import result_of  # noqa: E402
 
 WORKER = HERE / "_worker.py"
 SETUP_ORDER = ["full", "full_reentrant", "lora", "lora_embeds", "eval"]
 
 FULL = dict(
-    startup_runs=200, importtime_runs=30, import_runs=8, warm=True, enable_procs=3, enable_models=20, small_models=3,
-    model=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=688, num_attention_heads=4,
-               num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024),
-    batch=1, seq=512, warmup=1, steps=8, threads=1, setups_per_process=1,
+    startup_runs=200,
+    importtime_runs=30,
+    import_runs=8,
+    warm=True,
+    enable_procs=3,
+    enable_models=20,
+    small_models=3,
+    model=dict(
+        num_hidden_layers=8,
+        hidden_size=256,
+        intermediate_size=688,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        max_position_embeddings=1024,
+    ),
+    batch=1,
+    seq=512,
+    warmup=1,
+    steps=8,
+    threads=1,
+    setups_per_process=1,
 )
 SMOKE = dict(
-    startup_runs=5, importtime_runs=2, import_runs=1, warm=False, enable_procs=1, enable_models=2, small_models=1,
-    model=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=4, vocab_size=512, max_position_embeddings=128),
-    batch=1, seq=32, warmup=0, steps=1, threads=1, setups_per_process=len(SETUP_ORDER),
+    startup_runs=5,
+    importtime_runs=2,
+    import_runs=1,
+    warm=False,
+    enable_procs=1,
+    enable_models=2,
+    small_models=1,
+    model=dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+        max_position_embeddings=128,
+    ),
+    batch=1,
+    seq=32,
+    warmup=0,
+    steps=1,
+    threads=1,
+    setups_per_process=len(SETUP_ORDER),
 )
-TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-            num_key_value_heads=4, vocab_size=1000, max_position_embeddings=128)
+TINY = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=1000,
+    max_position_embeddings=128,
+)
 
 
 def log(text: str) -> None:
@@ -49,8 +94,14 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run_worker(task: str, args: dict, env: dict[str, str], timeout: float = 900) -> dict:
-    proc = subprocess.run([sys.executable, str(WORKER), task, json.dumps(args)], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), task, json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=HERE,
+    )
     try:
         return result_of(proc)
     except AssertionError as exc:
@@ -75,12 +126,15 @@ def wall(cmd: list[str], env: dict[str, str]) -> float:
     return elapsed
 
 
-def interleave(variants: dict[str, tuple[list[str], dict[str, str]]], runs: int,
-               warm: bool = True) -> dict[str, list[float]]:
+def interleave(
+    variants: dict[str, tuple[list[str], dict[str, str]]], runs: int, warm: bool = True
+) -> dict[str, list[float]]:
     """Wall time of each variant's command, `runs` rounds, the order rotating every round."""
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for name in names if warm else []:  # one untimed run each: page cache and .pyc files warm for all
+    for name in (
+        names if warm else []
+    ):  # one untimed run each: page cache and .pyc files warm for all
         wall(*variants[name])
     for round_ in range(runs):
         k = round_ % len(names)
@@ -92,6 +146,7 @@ def interleave(variants: dict[str, tuple[list[str], dict[str, str]]], runs: int,
 # ---------------------------------------------------------------------------------------------
 # 1. start-up, and 2. import transformers
 # ---------------------------------------------------------------------------------------------
+
 
 def gcpatch_files() -> tuple[Path, list[str]]:
     """The site directory gcpatch is installed in, and its top-level entries there."""
@@ -131,8 +186,12 @@ def make_venvs(work: Path) -> dict[str, Path]:
         py = root / "bin" / "python"
         if not py.exists():
             py = root / "Scripts" / "python.exe"
-        purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
+        purelib = subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         target = Path(purelib)
         (target / "00-bench-env.pth").write_text("".join(d + "\n" for d in env_dirs))
         for pth in other_pth:
@@ -140,7 +199,9 @@ def make_venvs(work: Path) -> dict[str, Path]:
             for line in pth.read_text().splitlines():
                 stripped = line.strip()
                 if stripped and not stripped.startswith(("#", "import ", "import\t")):
-                    line = str((pth.parent / stripped).resolve())  # a relative path line stays valid
+                    line = str(
+                        (pth.parent / stripped).resolve()
+                    )  # a relative path line stays valid
                 lines.append(line)
             (target / pth.name).write_text("\n".join(lines) + "\n")
         if name == "with":
@@ -177,7 +238,7 @@ def parse_importtime(stderr: str) -> dict:
     for line in stderr.splitlines():
         if not line.startswith("import time:") or line.count("|") != 2:
             continue
-        _, cumulative, name = line[len("import time:"):].split("|")
+        _, cumulative, name = line[len("import time:") :].split("|")
         if not cumulative.strip().isdigit():
             continue  # the header
         level = (len(name) - len(name.lstrip()) - 1) // 2
@@ -211,7 +272,11 @@ def pth_file_cost_us() -> float:
     saved = os.environ.pop("GCPATCH", None)
     try:
         n = 2000
-        best = min(timeit.repeat(lambda: site.addpackage(str(site_dir), "gcpatch.pth", set()), number=n, repeat=5))
+        best = min(
+            timeit.repeat(
+                lambda: site.addpackage(str(site_dir), "gcpatch.pth", set()), number=n, repeat=5
+            )
+        )
     finally:
         if saved is not None:
             os.environ["GCPATCH"] = saved
@@ -222,43 +287,77 @@ def gcpatch_importtime_ms(py: Path, runs: int, code: str = "pass") -> dict:
     """With GCPATCH=1: what gcpatch's own imports take (-X importtime), median over runs."""
     parsed = []
     for _ in range(runs):
-        proc = subprocess.run([str(py), "-X", "importtime", "-c", code], env=child_env(GCPATCH="1"),
-                              capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [str(py), "-X", "importtime", "-c", code],
+            env=child_env(GCPATCH="1"),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         parsed.append(parse_importtime(proc.stderr))
     totals = [p["ms"] for p in parsed]
     middle = sorted(parsed, key=lambda p: p["ms"])[len(parsed) // 2]
-    return {"min_ms": min(totals), "median_ms": med(totals), "modules": middle["modules"], "heavy": middle["heavy"]}
+    return {
+        "min_ms": min(totals),
+        "median_ms": med(totals),
+        "modules": middle["modules"],
+        "heavy": middle["heavy"],
+    }
 
 
 def bench_startup(cfg: dict, work: Path) -> dict:
     log("start-up: building the two venvs")
     venvs = make_venvs(work)
-    cmd_without, cmd_with = [str(venvs["without"]), "-c", "pass"], [str(venvs["with"]), "-c", "pass"]
-    check = subprocess.run([str(venvs["with"]), "-c",
-                            "import sys; print(any(repr(f) == '<gcpatch framework watcher>' for f in sys.meta_path))"],
-                           env=child_env(GCPATCH="1"), capture_output=True, text=True)
+    cmd_without, cmd_with = (
+        [str(venvs["without"]), "-c", "pass"],
+        [str(venvs["with"]), "-c", "pass"],
+    )
+    check = subprocess.run(
+        [
+            str(venvs["with"]),
+            "-c",
+            "import sys; print(any(repr(f) == '<gcpatch framework watcher>' for f in sys.meta_path))",
+        ],
+        env=child_env(GCPATCH="1"),
+        capture_output=True,
+        text=True,
+    )
     if check.stdout.strip() != "True":
-        raise RuntimeError(f"the `with` venv does not activate gcpatch at start-up: {check.stdout} {check.stderr}")
+        raise RuntimeError(
+            f"the `with` venv does not activate gcpatch at start-up: {check.stdout} {check.stderr}"
+        )
     log(f"start-up: {cfg['startup_runs']} interleaved runs of each variant")
-    times = interleave({
-        "without": (cmd_without, child_env()),
-        "unset": (cmd_with, child_env()),
-        "on": (cmd_with, child_env(GCPATCH="1")),
-    }, cfg["startup_runs"], warm=cfg["warm"])
+    times = interleave(
+        {
+            "without": (cmd_without, child_env()),
+            "unset": (cmd_with, child_env()),
+            "on": (cmd_with, child_env(GCPATCH="1")),
+        },
+        cfg["startup_runs"],
+        warm=cfg["warm"],
+    )
     log(f"import transformers: {cfg['import_runs']} interleaved runs of each variant")
-    imp = interleave({
-        "without": ([str(venvs["without"]), "-c", "import transformers"], child_env()),
-        "unset": ([str(venvs["with"]), "-c", "import transformers"], child_env()),
-        "on": ([str(venvs["with"]), "-c", "import transformers"], child_env(GCPATCH="1")),
-    }, cfg["import_runs"], warm=cfg["warm"])
+    imp = interleave(
+        {
+            "without": ([str(venvs["without"]), "-c", "import transformers"], child_env()),
+            "unset": ([str(venvs["with"]), "-c", "import transformers"], child_env()),
+            "on": ([str(venvs["with"]), "-c", "import transformers"], child_env(GCPATCH="1")),
+        },
+        cfg["import_runs"],
+        warm=cfg["warm"],
+    )
     return {
-        "startup_s": times, "import_s": imp,
+        "startup_s": times,
+        "import_s": imp,
         "pth_line_us": pth_line_cost_us(),
         "pth_file_us": pth_file_cost_us(),
         "importtime": gcpatch_importtime_ms(venvs["with"], cfg["importtime_runs"]),
-        "importtime_transformers": gcpatch_importtime_ms(venvs["with"], max(1, cfg["import_runs"] // 2),
-                                                         "import transformers"),
-        "venvs": {k: os.path.relpath(v, HERE.parent) for k, v in venvs.items()},  # no machine path in results
+        "importtime_transformers": gcpatch_importtime_ms(
+            venvs["with"], max(1, cfg["import_runs"] // 2), "import transformers"
+        ),
+        "venvs": {
+            k: os.path.relpath(v, HERE.parent) for k, v in venvs.items()
+        },  # no machine path in results
     }
 
 
@@ -266,26 +365,42 @@ def bench_startup(cfg: dict, work: Path) -> dict:
 # 3. the enable call, and 4./5. the training set-ups
 # ---------------------------------------------------------------------------------------------
 
+
 def bench_enable(cfg: dict) -> dict:
-    args = {"tiny": TINY, "small": cfg["model"], "models": cfg["enable_models"], "small_models": cfg["small_models"]}
+    args = {
+        "tiny": TINY,
+        "small": cfg["model"],
+        "models": cfg["enable_models"],
+        "small_models": cfg["small_models"],
+    }
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for i in range(cfg["enable_procs"]):
-        for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
+        for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
             log(f"enable call: process {i + 1}/{cfg['enable_procs']}, gcpatch {name}")
-            result = run_worker("enable", args, child_env(**({"GCPATCH": "1"} if name == "on" else {})))
+            result = run_worker(
+                "enable", args, child_env(**({"GCPATCH": "1"} if name == "on" else {}))
+            )
             if result["gcpatch_active"] != (name == "on"):
-                raise RuntimeError(f"gcpatch active={result['gcpatch_active']} in the {name} process")
+                raise RuntimeError(
+                    f"gcpatch active={result['gcpatch_active']} in the {name} process"
+                )
             runs[name].append(result)
     return runs
 
 
 def bench_cases(cfg: dict) -> dict:
-    base = {"model": cfg["model"], "batch": cfg["batch"], "seq": cfg["seq"], "warmup": cfg["warmup"],
-            "steps": cfg["steps"], "threads": cfg["threads"]}
+    base = {
+        "model": cfg["model"],
+        "batch": cfg["batch"],
+        "seq": cfg["seq"],
+        "warmup": cfg["warmup"],
+        "steps": cfg["steps"],
+        "threads": cfg["threads"],
+    }
     cases, meta = [], {}
     per = cfg["setups_per_process"]
     for i in range(0, len(SETUP_ORDER), per):
-        names = SETUP_ORDER[i:i + per]
+        names = SETUP_ORDER[i : i + per]
         log(f"set-up {', '.join(names)}: saved bytes, gradients, {cfg['steps']} interleaved steps")
         result = run_worker("case", {**base, "setups": names}, child_env())
         cases += result.pop("cases")

@@ -20,6 +20,7 @@ own budget-1.0 run, not over eager. Times are the median of the timed steps (for
 CPU seconds of the one compute thread (OMP_NUM_THREADS=1), variants of one budget interleaved step
 by step, as a ratio over no checkpointing timed the same way.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,18 @@ def model(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=344,
-                                     num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                     tie_word_embeddings=False, use_cache=False))
+    m = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=344,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_cache=False,
+        )
+    )
     return m.train()
 
 
@@ -140,30 +150,57 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
     plain_saved = saved(lambda: plain(input_ids=ids, labels=ids).loss)
     # n = 0: no layer checkpointed (what a budget of the whole no-checkpointing step allows)
     by_n = {0: plain_held, **{n: held(every_n(layers, n), ids) for n in range(1, layers + 1)}}
-    out = {"layers": layers, "seq": seq, "plain_bytes": plain_held, "full_bytes": full_held,
-           "plain_saved_bytes": plain_saved, "every_n_bytes": by_n, "budgets": {}}
+    out = {
+        "layers": layers,
+        "seq": seq,
+        "plain_bytes": plain_held,
+        "full_bytes": full_held,
+        "plain_saved_bytes": plain_saved,
+        "every_n_bytes": by_n,
+        "budgets": {},
+    }
     compiled_ref = None
     for budget in budgets:
         limit = budget * plain_held
-        n_best = max((n if n else layers + 1 for n, b in by_n.items() if b <= limit), default=1) % (layers + 1)
+        n_best = max((n if n else layers + 1 for n, b in by_n.items() if b <= limit), default=1) % (
+            layers + 1
+        )
         ours, entry = gcpatch_plan(layers, budget, ids)
-        variants = {"plain": plain, "full": full, "gcpatch": ours, "every_n": every_n(layers, n_best)}
+        variants = {
+            "plain": plain,
+            "full": full,
+            "gcpatch": ours,
+            "every_n": every_n(layers, n_best),
+        }
         times = timed(variants, ids)
-        row = {"budget": budget, "limit_bytes": limit, "every_n": n_best,
-               "gcpatch_checkpointed": entry["budget"]["plan"]["checkpointed"],
-               "gcpatch_line": entry["line"], "gcpatch_measuring_s": entry["budget"]["measured"]["seconds"],
-               "bytes": {"gcpatch": held(ours, ids), "full": full_held, "every_n": by_n[n_best], "plain": plain_held},
-               "seconds": times}
+        row = {
+            "budget": budget,
+            "limit_bytes": limit,
+            "every_n": n_best,
+            "gcpatch_checkpointed": entry["budget"]["plan"]["checkpointed"],
+            "gcpatch_line": entry["line"],
+            "gcpatch_measuring_s": entry["budget"]["measured"]["seconds"],
+            "bytes": {
+                "gcpatch": held(ours, ids),
+                "full": full_held,
+                "every_n": by_n[n_best],
+                "plain": plain_held,
+            },
+            "seconds": times,
+        }
         if with_compile:
             row["compile"] = compiled(layers, budget, ids)
             if budget == 1.0:
                 compiled_ref = row["compile"]
         out["budgets"][str(budget)] = row
-        print(f"L={layers} seq={seq} budget={budget}: gcpatch {row['gcpatch_checkpointed']}/{layers} "
-              f"held {row['bytes']['gcpatch'] / plain_held:.3f} time {times['gcpatch'] / times['plain']:.3f} | full "
-              f"time {times['full'] / times['plain']:.3f} | every_n={n_best} {by_n[n_best] / plain_held:.3f} "
-              f"{times['every_n'] / times['plain']:.3f}" + (f" | compile {row['compile']}" if with_compile else ""),
-              flush=True)
+        print(
+            f"L={layers} seq={seq} budget={budget}: gcpatch {row['gcpatch_checkpointed']}/{layers} "
+            f"held {row['bytes']['gcpatch'] / plain_held:.3f} time {times['gcpatch'] / times['plain']:.3f} | full "
+            f"time {times['full'] / times['plain']:.3f} | every_n={n_best} {by_n[n_best] / plain_held:.3f} "
+            f"{times['every_n'] / times['plain']:.3f}"
+            + (f" | compile {row['compile']}" if with_compile else ""),
+            flush=True,
+        )
     out["compile_reference"] = compiled_ref
     return out
 
@@ -190,16 +227,23 @@ def summarise(raw: dict) -> list[dict]:
         ref = cfg.get("compile_reference")
         for key, row in cfg["budgets"].items():
             plain_s, plain_b = row["seconds"]["plain"], cfg["plain_bytes"]
-            r = {"layers": cfg["layers"], "seq": cfg["seq"], "budget": row["budget"], "n": row["every_n"],
-                 "k": row["gcpatch_checkpointed"]}
+            r = {
+                "layers": cfg["layers"],
+                "seq": cfg["seq"],
+                "budget": row["budget"],
+                "n": row["every_n"],
+                "k": row["gcpatch_checkpointed"],
+            }
             for v in ("gcpatch", "full", "every_n"):
                 r[f"{v}_bytes"] = row["bytes"][v] / plain_b
                 r[f"{v}_time"] = row["seconds"][v] / plain_s
             if "compile" in row:
                 r["compile_bytes"] = row["compile"]["saved_bytes"] / cfg["plain_saved_bytes"]
                 r["compile_time"] = row["compile"]["seconds"] / ref["seconds"] if ref else None
-            r["met"] = (r["gcpatch_bytes"] <= row["budget"] * (1 + TOLERANCE)
-                        or row["gcpatch_checkpointed"] == cfg["layers"])
+            r["met"] = (
+                r["gcpatch_bytes"] <= row["budget"] * (1 + TOLERANCE)
+                or row["gcpatch_checkpointed"] == cfg["layers"]
+            )
             rows.append(r)
     return rows
 
@@ -207,11 +251,14 @@ def summarise(raw: dict) -> list[dict]:
 def write(raw: dict, out: Path, quick: bool) -> None:
     rows = summarise(raw)
     lines = [
-        "# Memory budget: gcpatch's plan against full checkpointing, every_n_layers and torch.compile", "",
-        "Generated by `python benchmarks/memory_budget.py`" + (" --quick (a smoke run)" if quick else "")
+        "# Memory budget: gcpatch's plan against full checkpointing, every_n_layers and torch.compile",
+        "",
+        "Generated by `python benchmarks/memory_budget.py`"
+        + (" --quick (a smoke run)" if quick else "")
         + f" on {raw['machine']} (torch {raw['torch']}, transformers {raw['transformers']}, commit {raw['commit']}, "
         f"{raw['threads']} thread(s), on a machine shared with other jobs, so steps are timed in CPU seconds of "
-        f"the compute thread). Llama, hidden {HIDDEN}, batch {BATCH}, vocab {VOCAB}, fp32, CPU.", "",
+        f"the compute thread). Llama, hidden {HIDDEN}, batch {BATCH}, vocab {VOCAB}, fp32, CPU.",
+        "",
         "- bytes: what one step's forward holds for its backward / the same without checkpointing;",
         f"- time: step (forward + backward) / no checkpointing, median of {STEPS} steps (thread CPU time), "
         "variants interleaved;",
@@ -219,9 +266,13 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         "meets the budget (0: no checkpointing meets it, 1: full checkpointing when none does);",
         "- torch.compile: `activation_memory_budget` at the same budget, saved bytes over eager's saved bytes, "
         "time over its own budget-1.0 run (see the script's docstring);",
-        "- a budget below full checkpointing's floor is met by full checkpointing (gcpatch says so in one line).", ""]
-    head = ("| layers | seq | budget | k | gcpatch bytes | gcpatch time | full bytes | full time | n | every_n bytes "
-            "| every_n time |")
+        "- a budget below full checkpointing's floor is met by full checkpointing (gcpatch says so in one line).",
+        "",
+    ]
+    head = (
+        "| layers | seq | budget | k | gcpatch bytes | gcpatch time | full bytes | full time | n | every_n bytes "
+        "| every_n time |"
+    )
     sep = "|---|---|---|---|---|---|---|---|---|---|---|"
     if any("compile_bytes" in r for r in rows):
         head += " compile bytes | compile time |"
@@ -229,23 +280,31 @@ def write(raw: dict, out: Path, quick: bool) -> None:
     lines += [head, sep]
     for r in rows:
         over = "" if r["met"] else " (over)"
-        line = (f"| {r['layers']} | {r['seq']} | {r['budget']:.1f} | {r['k']} | {r['gcpatch_bytes']:.3f}{over} | "
-                f"{r['gcpatch_time']:.3f} | {r['full_bytes']:.3f} | {r['full_time']:.3f} | {r['n']} | "
-                f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} |")
+        line = (
+            f"| {r['layers']} | {r['seq']} | {r['budget']:.1f} | {r['k']} | {r['gcpatch_bytes']:.3f}{over} | "
+            f"{r['gcpatch_time']:.3f} | {r['full_bytes']:.3f} | {r['full_time']:.3f} | {r['n']} | "
+            f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} |"
+        )
         if "compile_bytes" in r:
             compile_time = f"{r['compile_time']:.3f}" if r["compile_time"] else "-"
             line += f" {r['compile_bytes']:.3f} | {compile_time} |"
         lines.append(line)
     met = sum(r["met"] for r in rows)
-    lines += ["", f"Budgets met (bytes <= budget + {TOLERANCE:.0%}, or full checkpointing below its floor): "
-              f"{met} of {len(rows)}.", ""]
+    lines += [
+        "",
+        f"Budgets met (bytes <= budget + {TOLERANCE:.0%}, or full checkpointing below its floor): "
+        f"{met} of {len(rows)}.",
+        "",
+    ]
     for r in rows:
         if abs(r["budget"] - 0.5) < 1e-9:
             ours, full = r["gcpatch_time"] - 1, r["full_time"] - 1
             verdict = "at most" if ours <= full / 2 else "MORE than"
-            lines.append(f"- {r['layers']} layers, seq {r['seq']}, budget 0.5: {r['k']} of {r['layers']} layers "
-                         f"recomputed, step-time overhead {ours:+.1%} (full checkpointing {full:+.1%}): {verdict} half "
-                         "of full checkpointing's")
+            lines.append(
+                f"- {r['layers']} layers, seq {r['seq']}, budget 0.5: {r['k']} of {r['layers']} layers "
+                f"recomputed, step-time overhead {ours:+.1%} (full checkpointing {full:+.1%}): {verdict} half "
+                "of full checkpointing's"
+            )
     lines += ["", f"Plot: `memory_budget.png` ({raw.get('plot', '')}).", ""]
     (out / "MEMORY_BUDGET.md").write_text("\n".join(lines))
 
@@ -266,15 +325,26 @@ def plot(raw: dict, path: Path) -> str:
         xs = [r["budget"] for r in mine]
         for row, what in enumerate(("bytes", "time")):
             ax = axes[row][col]
-            for v, style in (("gcpatch", "o-"), ("full", "s--"), ("every_n", "^-"), ("compile", "x:")):
+            for v, style in (
+                ("gcpatch", "o-"),
+                ("full", "s--"),
+                ("every_n", "^-"),
+                ("compile", "x:"),
+            ):
                 ys = [r.get(f"{v}_{what}") for r in mine]
                 if all(y is not None for y in ys):
                     ax.plot(xs, ys, style, label=v)
             if what == "bytes":
-                ax.plot(xs, [x * (1 + TOLERANCE) for x in xs], color="grey", lw=0.8, label="budget +5%")
+                ax.plot(
+                    xs, [x * (1 + TOLERANCE) for x in xs], color="grey", lw=0.8, label="budget +5%"
+                )
                 ax.set_title(f"{layers} layers, seq {seq}")
             ax.set_xlabel("budget")
-            ax.set_ylabel("held bytes / no checkpointing" if what == "bytes" else "step time / no checkpointing")
+            ax.set_ylabel(
+                "held bytes / no checkpointing"
+                if what == "bytes"
+                else "step time / no checkpointing"
+            )
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
@@ -284,8 +354,12 @@ def plot(raw: dict, path: Path) -> str:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 
@@ -295,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--from-json", type=Path, help="rewrite the table and plot from a run's memory_budget.json")
+    parser.add_argument(
+        "--from-json", type=Path, help="rewrite the table and plot from a run's memory_budget.json"
+    )
     args = parser.parse_args(argv)
     if args.from_json:
         raw = json.loads(args.from_json.read_text())
@@ -312,9 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     budgets = QUICK["budgets"] if args.quick else BUDGETS
     configs = QUICK["configs"] if args.quick else CONFIGS
     with_compile = not args.quick and not args.no_compile
-    raw = {"machine": f"{platform.machine()} {platform.processor() or platform.system()}", "torch": torch.__version__,
-           "transformers": transformers.__version__, "commit": _commit(), "threads": torch.get_num_threads(),
-           "configs": [one_config(layers, seq, budgets, with_compile) for layers, seq in configs]}
+    raw = {
+        "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "commit": _commit(),
+        "threads": torch.get_num_threads(),
+        "configs": [one_config(layers, seq, budgets, with_compile) for layers, seq in configs],
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     raw["plot"] = plot(raw, args.out / "memory_budget.png")
     (args.out / "memory_budget.json").write_text(json.dumps(raw, indent=1))

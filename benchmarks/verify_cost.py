@@ -9,6 +9,7 @@ step's wall time, the peak RSS after step one, the activation bytes the user's o
 the hooks left on the model, and verify's own record (its time, the slice's saved bytes).
 Nothing is downloaded. benchmarks/run.py rewrites RESULTS.md: run this script after it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,38 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- verify_cost: begin -->", "<!-- verify_cost: end -->"
-FULL = dict(rounds=3, steps=8, batch=4, seq=256,
-            model=dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=8192, max_position_embeddings=512, attention_dropout=0.1))
-SMOKE = dict(rounds=1, steps=3, batch=2, seq=16,
-             model=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, attention_dropout=0.1))
+FULL = dict(
+    rounds=3,
+    steps=8,
+    batch=4,
+    seq=256,
+    model=dict(
+        num_hidden_layers=4,
+        hidden_size=256,
+        intermediate_size=688,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        max_position_embeddings=512,
+        attention_dropout=0.1,
+    ),
+)
+SMOKE = dict(
+    rounds=1,
+    steps=3,
+    batch=2,
+    seq=16,
+    model=dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+    ),
+)
 
 
 def worker(cfg: dict) -> dict:
@@ -60,7 +87,9 @@ def worker(cfg: dict) -> dict:
 
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        if step == 1:  # verify refuses to run inside saved-tensor hooks, so step 0 is not measured this way
+        if (
+            step == 1
+        ):  # verify refuses to run inside saved-tensor hooks, so step 0 is not measured this way
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = model(input_ids=ids, labels=ids).loss
             saved = counted[0]
@@ -74,9 +103,14 @@ def worker(cfg: dict) -> dict:
     gcpatch = sys.modules.get("gcpatch")
     records = [e for e in gcpatch.decisions() if e.get("stage") == "verify"] if gcpatch else []
     return {
-        "times": times, "rss_after_first_step": rss_after_first, "user_step_saved_bytes_step2": saved,
-        "hooks_after": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()),
-        "verify": records[0]["verify"] if records else None, "verify_line": records[0]["line"] if records else None,
+        "times": times,
+        "rss_after_first_step": rss_after_first,
+        "user_step_saved_bytes_step2": saved,
+        "hooks_after": sum(
+            len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()
+        ),
+        "verify": records[0]["verify"] if records else None,
+        "verify_line": records[0]["line"] if records else None,
     }
 
 
@@ -85,8 +119,14 @@ def run_worker(cfg: dict, verify: bool) -> dict:
     env.update(GCPATCH="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", GCPATCH_LOG="warning")
     if verify:
         env["GCPATCH_VERIFY"] = "1"
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], env=env, capture_output=True,
-                          text=True, timeout=900, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd="/",
+    )
     if proc.returncode != 0:
         raise SystemExit(f"worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -95,7 +135,7 @@ def run_worker(cfg: dict, verify: bool) -> dict:
 def measure(cfg: dict) -> dict:
     runs: dict[str, list[dict]] = {"verify": [], "plain": []}
     for r in range(cfg["rounds"]):
-        for name in (("verify", "plain") if r % 2 == 0 else ("plain", "verify")):
+        for name in ("verify", "plain") if r % 2 == 0 else ("plain", "verify"):
             runs[name].append(run_worker(cfg, name == "verify"))
     return runs
 
@@ -112,12 +152,17 @@ def summarize(cfg: dict, runs: dict) -> dict:
         "first_step_s": {"verify": first("verify"), "plain": first("plain")},
         "later_steps_s": {"verify": later("verify"), "plain": later("plain")},
         "verify_seconds": statistics.median(run["verify"]["seconds"] for run in runs["verify"]),
-        "slice_saved_bytes_plain": rep["saved_bytes_plain"], "slice_saved_bytes_checkpointed": rep["saved_bytes_checkpointed"],
+        "slice_saved_bytes_plain": rep["saved_bytes_plain"],
+        "slice_saved_bytes_checkpointed": rep["saved_bytes_checkpointed"],
         "user_step_saved_bytes": runs["plain"][0]["user_step_saved_bytes_step2"],
         "user_step_saved_bytes_verify_run": runs["verify"][0]["user_step_saved_bytes_step2"],
-        "rss_after_first_mb": {k: statistics.median(r["rss_after_first_step"] for r in runs[k]) / 2**20 for k in runs},
+        "rss_after_first_mb": {
+            k: statistics.median(r["rss_after_first_step"] for r in runs[k]) / 2**20 for k in runs
+        },
         "hooks_after": {k: sorted({r["hooks_after"] for r in runs[k]}) for k in runs},
-        "verify_line": runs["verify"][0]["verify_line"], "rows": rep["rows"], "batch": rep["batch"],
+        "verify_line": runs["verify"][0]["verify_line"],
+        "rows": rep["rows"],
+        "batch": rep["batch"],
     }
 
 
@@ -128,17 +173,17 @@ def section(cfg: dict, s: dict, meta: str) -> str:
 ## Verify mode (`GCPATCH_VERIFY=1`): one-time cost, and none after step one
 
 Reproduce: `python benchmarks/verify_cost.py` (after `benchmarks/run.py`, which rewrites this file). {meta}
-Set-up: Llama {cfg['model']['num_hidden_layers']} layers, hidden {cfg['model']['hidden_size']}, vocab {cfg['model']['vocab_size']}, batch {cfg['batch']} x {cfg['seq']} tokens, AdamW, `gradient_checkpointing_enable()`, GCPATCH=1 in both variants, {cfg['rounds']} fresh processes per variant, interleaved, {cfg['steps']} steps each, 1 torch thread.
+Set-up: Llama {cfg["model"]["num_hidden_layers"]} layers, hidden {cfg["model"]["hidden_size"]}, vocab {cfg["model"]["vocab_size"]}, batch {cfg["batch"]} x {cfg["seq"]} tokens, AdamW, `gradient_checkpointing_enable()`, GCPATCH=1 in both variants, {cfg["rounds"]} fresh processes per variant, interleaved, {cfg["steps"]} steps each, 1 torch thread.
 
 | what | with `GCPATCH_VERIFY=1` | without | |
 | --- | --- | --- | --- |
-| first training step (median) | {f['verify']:.3f} s | {f['plain']:.3f} s | +{f['verify'] - f['plain']:.3f} s once ({f['verify'] / f['plain']:.2f}x); verify's own record says {s['verify_seconds']:.3f} s |
-| each later step (median of steps 2..{cfg['steps']}) | {l['verify']:.3f} s | {l['plain']:.3f} s | {l['verify'] / l['plain']:.3f}x (no hook of verify is left: hooks on the model after training {s['hooks_after']['verify']} vs {s['hooks_after']['plain']}) |
-| activation bytes the user's step saves (step 2) | {mb(s['user_step_saved_bytes_verify_run'])} | {mb(s['user_step_saved_bytes'])} | unchanged |
-| extra activation bytes held once by verify (its no-checkpointing pass on {s['rows']} of {s['batch']} rows; the checkpointed pass holds {mb(s['slice_saved_bytes_checkpointed'])}) | {mb(s['slice_saved_bytes_plain'])} | - | {s['slice_saved_bytes_plain'] / s['user_step_saved_bytes']:.2f}x the user's checkpointed step; freed before the user's forward runs |
-| peak RSS after the first step (median) | {s['rss_after_first_mb']['verify']:.0f} MiB | {s['rss_after_first_mb']['plain']:.0f} MiB | |
+| first training step (median) | {f["verify"]:.3f} s | {f["plain"]:.3f} s | +{f["verify"] - f["plain"]:.3f} s once ({f["verify"] / f["plain"]:.2f}x); verify's own record says {s["verify_seconds"]:.3f} s |
+| each later step (median of steps 2..{cfg["steps"]}) | {l["verify"]:.3f} s | {l["plain"]:.3f} s | {l["verify"] / l["plain"]:.3f}x (no hook of verify is left: hooks on the model after training {s["hooks_after"]["verify"]} vs {s["hooks_after"]["plain"]}) |
+| activation bytes the user's step saves (step 2) | {mb(s["user_step_saved_bytes_verify_run"])} | {mb(s["user_step_saved_bytes"])} | unchanged |
+| extra activation bytes held once by verify (its no-checkpointing pass on {s["rows"]} of {s["batch"]} rows; the checkpointed pass holds {mb(s["slice_saved_bytes_checkpointed"])}) | {mb(s["slice_saved_bytes_plain"])} | - | {s["slice_saved_bytes_plain"] / s["user_step_saved_bytes"]:.2f}x the user's checkpointed step; freed before the user's forward runs |
+| peak RSS after the first step (median) | {s["rss_after_first_mb"]["verify"]:.0f} MiB | {s["rss_after_first_mb"]["plain"]:.0f} MiB | |
 
-The verify line of the first process: `{s['verify_line']}`
+The verify line of the first process: `{s["verify_line"]}`
 
 Verify runs two passes on a slice of the batch (one with checkpointing as applied, one without) before the
 user's first forward, so its memory is never added to the user's activations; after that it is gone: no hook,
@@ -162,16 +207,20 @@ def main() -> None:
     import torch  # noqa: F401 (versions only)
     import transformers
 
-    meta = (f"Measured {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.system()} {platform.machine()}, "
-            f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}, transformers "
-            f"{transformers.__version__}, {os.cpu_count()} CPUs shared with other jobs, no GPU; {time.time() - start:.0f} s.")
+    meta = (
+        f"Measured {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}, transformers "
+        f"{transformers.__version__}, {os.cpu_count()} CPUs shared with other jobs, no GPU; {time.time() - start:.0f} s."
+    )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "verify_cost.json").write_text(json.dumps({"config": cfg, "summary": summary, "runs": runs}, indent=1))
+    (args.out / "verify_cost.json").write_text(
+        json.dumps({"config": cfg, "summary": summary, "runs": runs}, indent=1)
+    )
     text = section(cfg, summary, meta)
     results = args.out / "RESULTS.md"
     old = results.read_text() if results.exists() else ""
     if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
+        new = old[: old.index(BEGIN)] + text + old[old.index(END) + len(END) :]
     else:
         new = old.rstrip("\n") + "\n\n" + text + "\n"
     results.write_text(new)

@@ -1,5 +1,6 @@
 """An ordinary user's fine-tuning step. It never imports gcpatch: `demo.py` runs it plainly and
 with GCPATCH=1. Prints one `RESULT {json}` line with what it measured."""
+
 import json
 import sys
 
@@ -9,10 +10,19 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 def llama():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
-    model.model.embed_tokens.requires_grad_(False)  # a partially frozen model: embeddings and layer 0
+    model.model.embed_tokens.requires_grad_(
+        False
+    )  # a partially frozen model: embeddings and layer 0
     model.model.layers[0].requires_grad_(False)
     return model.train()
 
@@ -30,7 +40,10 @@ def frozen_embeds():
     model = llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     got = grads(model)
-    errors = [float("inf") if got[n] is None else (got[n] - reference[n]).abs().max().item() for n in reference]
+    errors = [
+        float("inf") if got[n] is None else (got[n] - reference[n]).abs().max().item()
+        for n in reference
+    ]
     return {"wrong": sum(e > 1e-5 for e in errors), "total": len(errors), "max_error": max(errors)}
 
 
@@ -40,7 +53,9 @@ def eval_mode():
 
     def saved_bytes(train, checkpoint):
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=64))
+        model = GPT2LMHeadModel(
+            GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=64)
+        )
         model.train(train)
         if checkpoint:
             model.gradient_checkpointing_enable()
@@ -57,8 +72,11 @@ def eval_mode():
 
     no_checkpointing = saved_bytes(False, False)
     left_in_eval = saved_bytes(False, True)
-    return {"saved_fraction": 1 - left_in_eval / no_checkpointing, "bytes": left_in_eval,
-            "train_mode_bytes": saved_bytes(True, True)}
+    return {
+        "saved_fraction": 1 - left_in_eval / no_checkpointing,
+        "bytes": left_in_eval,
+        "train_mode_bytes": saved_bytes(True, True),
+    }
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 `import gcpatch` (or GCPATCH=1 in the environment) switches it on; GCPATCH=0 switches it off.
 Nothing heavy is imported here: the engine starts when a framework is first imported.
 """
+
 from __future__ import annotations
 
 from gcpatch.activation import activate, deactivate, is_active

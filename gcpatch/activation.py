@@ -6,6 +6,7 @@ imports it. Either way the engine is armed only once a framework is imported (it
 registered by name), never imports one itself, and loads the plugins (pluggy, entry points) at the
 first call through a patch point.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,7 @@ def activate() -> bool:
         os.environ.setdefault("GCPATCH", "1")
         _gcpatch_startup.watch(framework_imported)
         return True
-    except Exception as exc:  # fail open: gcpatch must never break the host's start-up
+    except Exception as exc:  # noqa: BLE001 (fail open: never break the host's start-up)
         sys.stderr.write(f"gcpatch: not activated ({type(exc).__name__}: {exc})\n")
         return False
 
@@ -70,4 +71,6 @@ def _start_engine() -> None:
     except Exception as exc:  # fail open: one line, the frameworks' own behaviour
         if settings.read().strict:
             raise
-        sys.stderr.write(f"gcpatch: engine not started, frameworks run unpatched ({type(exc).__name__}: {exc})\n")
+        sys.stderr.write(
+            f"gcpatch: engine not started, frameworks run unpatched ({type(exc).__name__}: {exc})\n"
+        )

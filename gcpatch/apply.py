@@ -5,6 +5,7 @@ applied here is what that call cannot do: the input-grads hooks (R2, X2), `use_c
 checkpointing that takes effect on a model left in eval mode (R5). Every change is kept in a
 per-model state so enabling twice leaves one hook and disabling leaves the model as it was.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,14 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gcpatch.facts import (checkpoint_function, checkpoint_layers, checkpoint_stacks, is_checkpoint_layer, passes_kv_cache,
-                           use_cache_configs)
+from gcpatch.facts import (
+    checkpoint_function,
+    checkpoint_layers,
+    checkpoint_stacks,
+    is_checkpoint_layer,
+    passes_kv_cache,
+    use_cache_configs,
+)
 from gcpatch.schema import INPUT_GRADS_HOOK, USE_CACHE_OFF, USE_REENTRANT, Decision
 
 log = logging.getLogger("gcpatch")
@@ -37,11 +44,19 @@ class ModelState:
     takes all of it back (what the user asked lives in gcpatch.context)."""
 
     input_hooks: list[Any] = field(default_factory=list)
-    embeddings_hook_wanted: bool = False  # R2/X2 asked for a hook on the embedding output (transformers' or ours)
-    first_forward: list[Any] = field(default_factory=list)  # R5's one-shot pre-hooks, one per stack runner
+    embeddings_hook_wanted: bool = (
+        False  # R2/X2 asked for a hook on the embedding output (transformers' or ours)
+    )
+    first_forward: list[Any] = field(
+        default_factory=list
+    )  # R5's one-shot pre-hooks, one per stack runner
     eval_fixed: list[tuple[Any, Any]] = field(default_factory=list)
-    mode_sync: list[Any] = field(default_factory=list)  # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
-    cache_off: dict[int, tuple[Any, str, Any]] = field(default_factory=dict)  # R6: config -> (config, where, old)
+    mode_sync: list[Any] = field(
+        default_factory=list
+    )  # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
+    cache_off: dict[int, tuple[Any, str, Any]] = field(
+        default_factory=dict
+    )  # R6: config -> (config, where, old)
 
 
 _states: weakref.WeakKeyDictionary[Any, ModelState] = weakref.WeakKeyDictionary()
@@ -60,7 +75,9 @@ def input_hooks_installed(model: Any) -> int:
     return len(state.input_hooks) if state is not None else 0
 
 
-def apply(model: Any, decision: Decision, on_first_forward: Callable[[Any], None]) -> dict[str, Any]:
+def apply(
+    model: Any, decision: Decision, on_first_forward: Callable[[Any], None]
+) -> dict[str, Any]:
     """Apply what the enable call itself did not, and return what was applied."""
     state = state_of(model)
     applied: dict[str, Any] = {"use_reentrant": decision.values.get(USE_REENTRANT)}
@@ -68,21 +85,28 @@ def apply(model: Any, decision: Decision, on_first_forward: Callable[[Any], None
     # Under a custom checkpoint function (an offloader that may run reentrant whatever it is
     # asked) the hook is put in place either way: harmless under non-reentrant, and what keeps a
     # reentrant-only function's layers getting gradients.
-    if decision.values.get(INPUT_GRADS_HOOK) and (decision.values.get(USE_REENTRANT) or checkpoint_function()):
+    if decision.values.get(INPUT_GRADS_HOOK) and (
+        decision.values.get(USE_REENTRANT) or checkpoint_function()
+    ):
         _install_input_hooks(model, state)
         applied[INPUT_GRADS_HOOK] = True
     if decision.values.get(USE_CACHE_OFF):
         per_config = _use_cache_off(model, state)
         if per_config:
             applied[USE_CACHE_OFF] = per_config.get("config") or "; ".join(
-                f"{where}: {change}" for where, change in per_config.items())
+                f"{where}: {change}" for where, change in per_config.items()
+            )
             if set(per_config) != {"config"}:
                 applied["use_cache_per_config"] = per_config
     stacks = checkpoint_stacks(model)
     if stacks:
         applied["checkpointed_stacks"] = {
-            name: f"{sum(1 for m in layers if getattr(m, 'gradient_checkpointing', False))} of {len(layers)} "
-                  f"{type(layers[0]).__name__}" for name, _, layers in stacks}
+            name: (
+                f"{sum(1 for m in layers if getattr(m, 'gradient_checkpointing', False))} of"
+                f" {len(layers)} {type(layers[0]).__name__}"
+            )
+            for name, _, layers in stacks
+        }
         _arm_first_forward(model, state, on_first_forward)
     return applied
 
@@ -118,11 +142,17 @@ def _restore_use_cache(state: ModelState) -> dict[str, str]:
 
 def _switched() -> list[tuple[Any, Any]]:
     """Every config R6 holds switched off now, with the user's own value."""
-    return [(config, old) for state in list(_states.values()) for config, _, old in state.cache_off.values()
-            if getattr(config, "use_cache", None) is False]
+    return [
+        (config, old)
+        for state in list(_states.values())
+        for config, _, old in state.cache_off.values()
+        if getattr(config, "use_cache", None) is False
+    ]
 
 
-def config_as_the_user(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def config_as_the_user(
+    wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
+) -> Any:
     """`PretrainedConfig.to_dict` (wrapt's protocol): what a config serialises (config.json,
     `to_json_string`, a tracker's copy) carries the user's `use_cache`, not R6's training value."""
     out = wrapped(*args, **kwargs)
@@ -133,7 +163,9 @@ def config_as_the_user(wrapped: Callable[..., Any], instance: Any, args: tuple, 
     return out
 
 
-def saving_as_the_user(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def saving_as_the_user(
+    wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
+) -> Any:
     """`save_pretrained` (wrapt's protocol) runs with the user's `use_cache` on every config R6
     switched off, and R6's value back afterwards: transformers 4.x moves a non-default `use_cache`
     from config.json into generation_config.json (and sets the config's to None) as it saves."""
@@ -171,7 +203,8 @@ def _remove_handles(handles: list[Any]) -> None:
 
 def remove_all(model: Any) -> dict[str, str]:
     """The user disabled checkpointing: take back everything gcpatch changed for the enable
-    (hooks, the eval-mode fix, `use_cache`). Returns the configs whose `use_cache` was given back."""
+    (hooks, the eval-mode fix, `use_cache`). Returns the configs whose `use_cache` was given back.
+    """
     reset(model)
     state = _states.get(model)
     if state is None:
@@ -239,8 +272,13 @@ class _ModeSync:
         if _compiling():
             return  # the modes the last eager forward left stand: a traced flag write recompiles
         if self.layers is None:
-            self.layers = [weakref.ref(m) for m in module.modules()
-                           if isinstance(getattr(m, "_gradient_checkpointing_func", None), _ModePreservingCheckpoint)]
+            self.layers = [
+                weakref.ref(m)
+                for m in module.modules()
+                if isinstance(
+                    getattr(m, "_gradient_checkpointing_func", None), _ModePreservingCheckpoint
+                )
+            ]
         grad = _grad_enabled() and not _asks_for_cache(kwargs)
         for ref in self.layers:
             layer = ref()
@@ -256,14 +294,18 @@ class _ModeSync:
 
 # Reads of `self.training` that do not change what a legacy model computes: the checkpoint
 # decision itself, the SDPA causal-mask shortcut, which eager mode takes either way
-# (transformers 4.51 modeling_attn_mask_utils._ignore_causal_mask_sdpa: `is_training or not is_tracing`),
+# (transformers 4.51 modeling_attn_mask_utils._ignore_causal_mask_sdpa: `is_training or not
+# is_tracing`),
 # and the legacy-cache conversion of transformers 4.43-4.44 (`LlamaModel.forward` and its copies:
 # `use_cache and not isinstance(past_key_values, Cache) and not self.training`): it follows
 # `if self.gradient_checkpointing and self.training and use_cache: use_cache = False`, so with the
 # flag R5 sets, `use_cache` is already off there (the cache a checkpointed forward drops in train
 # mode too; R6 turns it off anyway) and the logits and gradients are those of the user's mode.
-_NEUTRAL_TRAINING_READS = ("gradient_checkpointing", "is_training=self.training",
-                           "not isinstance(past_key_values, Cache) and not self.training")
+_NEUTRAL_TRAINING_READS = (
+    "gradient_checkpointing",
+    "is_training=self.training",
+    "not isinstance(past_key_values, Cache) and not self.training",
+)
 
 
 def _reads_training_only_to_checkpoint(module: Any) -> bool:
@@ -281,7 +323,9 @@ def _reads_training_only_to_checkpoint(module: Any) -> bool:
         try:
             sources.append(inspect.getsource(obj))
         except (OSError, TypeError) as exc:
-            log.debug("gcpatch: R5: no source for %r (%s); the eval-mode fix is declined there", obj, exc)
+            log.debug(
+                "gcpatch: R5: no source for %r (%s); the eval-mode fix is declined there", obj, exc
+            )
             return False
     reads = [line for src in sources for line in src.splitlines() if "self.training" in line]
     return all(any(mark in line for mark in _NEUTRAL_TRAINING_READS) for line in reads)
@@ -289,7 +333,8 @@ def _reads_training_only_to_checkpoint(module: Any) -> bool:
 
 class _ModePreservingCheckpoint:
     """The layer's checkpoint function, running the checkpointed body in the user's mode. A copy
-    of the layer gets one bound to the copy; a pickle names the layer (pickle's memo resolves it)."""
+    of the layer gets one bound to the copy; a pickle names the layer (pickle's memo resolves it).
+    """
 
     def __init__(self, func: Callable[..., Any], layer: Any) -> None:
         self.func = func
@@ -342,7 +387,9 @@ class _Armed:
     without handles: each copied hook removes itself); a pickle names the model (pickle's memo
     resolves it) and the callback by its qualified name."""
 
-    def __init__(self, model: Any, callback: Callable[[Any], None], handles: list[Any] | None = None) -> None:
+    def __init__(
+        self, model: Any, callback: Callable[[Any], None], handles: list[Any] | None = None
+    ) -> None:
         self.model = weakref.ref(model) if model is not None else None
         self.callback = callback
         self.handles = handles if handles is not None else []
@@ -418,15 +465,22 @@ def _install_input_hooks(model: Any, state: ModelState) -> None:
     if base is not None and base is not model:
         modules.append(base)
     for module in modules:
-        state.input_hooks.append(module.register_forward_pre_hook(_inputs_embeds_require_grad, with_kwargs=True))
+        state.input_hooks.append(
+            module.register_forward_pre_hook(_inputs_embeds_require_grad, with_kwargs=True)
+        )
 
 
 def _embeddings_of(model: Any) -> Any:
     try:
         embeddings = model.get_input_embeddings()
     except Exception as exc:  # noqa: BLE001
-        log.debug("gcpatch: R2: %s has no input embeddings (%s: %s); only the inputs_embeds hook is installed",
-                  type(model).__name__, type(exc).__name__, exc)
+        log.debug(
+            "gcpatch: R2: %s has no input embeddings (%s: %s); only the inputs_embeds hook is"
+            " installed",
+            type(model).__name__,
+            type(exc).__name__,
+            exc,
+        )
         return None
     return embeddings if hasattr(embeddings, "register_forward_hook") else None
 
@@ -444,13 +498,19 @@ def _hook_embeddings(model: Any, state: ModelState) -> None:
 
 # transformers' `enable_input_require_grads` hook (5.x: make_inputs_require_grads; 4.x:
 # make_inputs_require_grad), also installed by peft and TRL through that method.
-_TRANSFORMERS_HOOKS = ("enable_input_require_grads.<locals>.make_inputs_require_grads",
-                       "enable_input_require_grads.<locals>.make_inputs_require_grad")
+_TRANSFORMERS_HOOKS = (
+    "enable_input_require_grads.<locals>.make_inputs_require_grads",
+    "enable_input_require_grads.<locals>.make_inputs_require_grad",
+)
 
 
 def _transformers_hooks(embeddings: Any) -> list[int]:
     hooks = getattr(embeddings, "_forward_hooks", None) or {}
-    return [key for key, fn in hooks.items() if getattr(fn, "__qualname__", "").endswith(_TRANSFORMERS_HOOKS)]
+    return [
+        key
+        for key, fn in hooks.items()
+        if getattr(fn, "__qualname__", "").endswith(_TRANSFORMERS_HOOKS)
+    ]
 
 
 def dedupe_input_grads_hooks(model: Any) -> int:
@@ -462,11 +522,17 @@ def dedupe_input_grads_hooks(model: Any) -> int:
     for module in model.modules():
         # looked up on the class: `hasattr` on a module goes through nn.Module.__getattr__, which
         # raises for every layer of the tree (half of this walk's time)
-        embeddings = _embeddings_of(module) if hasattr(type(module), "get_input_embeddings") else None
+        embeddings = (
+            _embeddings_of(module) if hasattr(type(module), "get_input_embeddings") else None
+        )
         if embeddings is None:
             continue
         for key in _transformers_hooks(embeddings):
-            for table in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            for table in (
+                "_forward_hooks",
+                "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called",
+            ):
                 getattr(embeddings, table, {}).pop(key, None)
             removed += 1
         state = _states.get(module)

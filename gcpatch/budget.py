@@ -8,14 +8,25 @@ the bytes to shed at the least recompute), solved exactly here over the Pareto f
 (bytes shed, recompute) and checked against exhaustive search in tests/test_budget.py. Pure
 arithmetic: no torch, so it is tested without a model.
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 # Beyond this many Pareto points (distinct sums of bytes shed) the exact search is cut short: the
 # cheapest-per-byte layers are taken instead, and the plan says so. Identical layers give n + 1.
@@ -52,7 +63,10 @@ def parse(raw: str) -> Budget | str:
     if not unit:
         if 0 < number <= 1:
             return Budget(text, fraction=number)
-        return "a number without a unit must be a fraction in (0, 1]; a size needs a unit (800MB, 6GiB)"
+        return (
+            "a number without a unit must be a fraction in (0, 1]; a size needs a unit (800MB,"
+            " 6GiB)"
+        )
     if number <= 0:
         return "a size must be positive"
     return Budget(text, nbytes=int(number * _UNITS[unit]))
@@ -127,10 +141,20 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
         chosen = {useful[j] for j in found}
         chosen = _spread(layers, chosen)
     flags = [i in chosen for i in range(len(layers))]
-    total = outside + sum(layer.checkpointed if flag else layer.plain for layer, flag in zip(layers, flags))
-    return Plan(checkpoint=flags, limit=limit, plain_total=plain_total, floor=floor, total=total,
-                recompute_s=sum(layer.seconds for layer, flag in zip(layers, flags) if flag),
-                full_recompute_s=full_s, exact=exact, names=[layer.name for layer in layers])
+    total = outside + sum(
+        layer.checkpointed if flag else layer.plain for layer, flag in zip(layers, flags)
+    )
+    return Plan(
+        checkpoint=flags,
+        limit=limit,
+        plain_total=plain_total,
+        floor=floor,
+        total=total,
+        recompute_s=sum(layer.seconds for layer, flag in zip(layers, flags) if flag),
+        full_recompute_s=full_s,
+        exact=exact,
+        names=[layer.name for layer in layers],
+    )
 
 
 def _cheapest_cover(layers: Sequence[LayerCost], need: float) -> list[int] | None:
@@ -190,10 +214,13 @@ def _greedy_cover(layers: Sequence[LayerCost], need: float) -> list[int]:
 
 def _spread(layers: Sequence[LayerCost], chosen: set[int]) -> set[int]:
     """Among interchangeable layers (same kind, bytes and seconds) any k of them cost the same:
-    take every (n/k)-th, so the plan is what transformers' `every_n_layers` would pick where it can."""
+    take every (n/k)-th, so the plan is what transformers' `every_n_layers` would pick where it can.
+    """
     groups: dict[tuple, list[int]] = {}
     for i, layer in enumerate(layers):
-        groups.setdefault((layer.kind, layer.plain, layer.checkpointed, layer.seconds), []).append(i)
+        groups.setdefault((layer.kind, layer.plain, layer.checkpointed, layer.seconds), []).append(
+            i
+        )
     out: set[int] = set()
     for members in groups.values():
         k = sum(1 for i in members if i in chosen)

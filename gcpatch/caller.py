@@ -7,13 +7,16 @@ through a one-line trampoline whose code carries the caller's file and line and 
 the caller's module: the warning names the caller the framework meant, with that module's
 warning registry and filters. In a traceback the trampoline shows as `<gcpatch>` at the user's line.
 """
+
 from __future__ import annotations
 
 import sys
 import types
 from typing import Any, Callable
 
-_CODE = compile("lambda function, args, kwargs: function(*args, **kwargs)", "<gcpatch>", "eval").co_consts[0]
+_CODE = compile(
+    "lambda function, args, kwargs: function(*args, **kwargs)", "<gcpatch>", "eval"
+).co_consts[0]
 _PREFIXES = ("gcpatch", "gcpatch_plugins", "wrapt")
 _trampolines: dict[tuple[int, str, int], Callable[..., Any]] = {}
 
@@ -26,15 +29,21 @@ def user_frame(depth: int = 1) -> types.FrameType | None:
     return frame
 
 
-def call_from(frame: types.FrameType | None, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def call_from(
+    frame: types.FrameType | None, function: Callable[..., Any], args: tuple, kwargs: dict
+) -> Any:
     """`function(*args, **kwargs)`, one frame below a trampoline that stands for `frame`."""
     if frame is None:
         return function(*args, **kwargs)
     key = (id(frame.f_globals), frame.f_code.co_filename, frame.f_lineno)
     trampoline = _trampolines.get(key)
     if trampoline is None:
-        code = _CODE.replace(co_filename=frame.f_code.co_filename, co_firstlineno=frame.f_lineno, co_name="<gcpatch>")
+        code = _CODE.replace(
+            co_filename=frame.f_code.co_filename, co_firstlineno=frame.f_lineno, co_name="<gcpatch>"
+        )
         trampoline = types.FunctionType(code, frame.f_globals)
-        if len(_trampolines) < 4096:  # call sites are few; a bound keeps a generated-code storm cheap
+        if (
+            len(_trampolines) < 4096
+        ):  # call sites are few; a bound keeps a generated-code storm cheap
             _trampolines[key] = trampoline
     return trampoline(function, args, kwargs)

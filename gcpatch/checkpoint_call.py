@@ -8,6 +8,7 @@ facts read from its own arguments: facts -> plugin votes (`gcpatch_call_vote`) -
 outcome is cached per pattern of facts, so a training step pays a few attribute reads per call,
 and each call site is recorded and logged once.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -24,14 +25,31 @@ from gcpatch import engine, patching, record, reentrant_grads, resolve, settings
 from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import named_modules
-from gcpatch.schema import (DEFAULT, LIFT_BOUND_TENSORS, REQUIRED, RUN_INLINE, USE_REENTRANT, USER, CallFacts, Decision,
-                            Vote)
+from gcpatch.schema import (
+    DEFAULT,
+    LIFT_BOUND_TENSORS,
+    REQUIRED,
+    RUN_INLINE,
+    USE_REENTRANT,
+    USER,
+    CallFacts,
+    Decision,
+    Vote,
+)
 
 log = logging.getLogger("gcpatch")
 
 # The keyword arguments `checkpoint` takes for itself; the others go to the checkpointed function.
 CHECKPOINT_KWARGS = frozenset(
-    {"use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop"})
+    {
+        "use_reentrant",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+    }
+)
 
 # How deep the running code is inside checkpointed functions (forward or recompute).
 _depth: contextvars.ContextVar[int] = contextvars.ContextVar("gcpatch_checkpoint_depth", default=0)
@@ -54,7 +72,9 @@ class _Outcome:
 
     @property
     def noteworthy(self) -> bool:
-        return bool(self.rules or (self.decision and (self.decision.warnings or self.decision.conflicts)))
+        return bool(
+            self.rules or (self.decision and (self.decision.warnings or self.decision.conflicts))
+        )
 
 
 _AS_CALLED = _Outcome()
@@ -64,8 +84,17 @@ def cover(model: Any, decision: Decision | None = None) -> None:
     """An enable-time decision now governs the checkpoint calls of `model`'s modules (CK4): at
     each call it is the standing vote, which only the call's own evidence (CK1, CK5) outranks."""
     winner = decision.winners.get(USE_REENTRANT) if decision is not None else None
-    standing = (type(model).__name__, winner.rule, str(winner.strength), winner.avoids, winner.short or winner.reason) \
-        if winner is not None else (type(model).__name__, "DEFAULT", DEFAULT, "", "")
+    standing = (
+        (
+            type(model).__name__,
+            winner.rule,
+            str(winner.strength),
+            winner.avoids,
+            winner.short or winner.reason,
+        )
+        if winner is not None
+        else (type(model).__name__, "DEFAULT", DEFAULT, "", "")
+    )
     for _, module in named_modules(model):
         _covered[module] = standing
 
@@ -87,11 +116,13 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
         outcome = _outcome_of(function, args, kwargs)
     except GcpatchError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (fail open: the call runs as made, one line)
         outcome = _failed_open(exc)
     if outcome is not _AS_CALLED:
         if outcome.inline:
-            return function(*args[1:], **{k: v for k, v in kwargs.items() if k not in CHECKPOINT_KWARGS})
+            return function(
+                *args[1:], **{k: v for k, v in kwargs.items() if k not in CHECKPOINT_KWARGS}
+            )
         if outcome.use_reentrant is not None:
             kwargs = {**kwargs, USE_REENTRANT: outcome.use_reentrant}
         elif outcome.lift:
@@ -99,7 +130,9 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
             args = (function, *rest)
     if kwargs.get(USE_REENTRANT, True) is not False:
         reentrant_grads.reentrant_ran()  # CK6 looks at graphs only once a reentrant checkpoint ran
-    if USE_REENTRANT not in kwargs:  # torch warns with stacklevel=2: let it name the caller, not gcpatch
+    if (
+        USE_REENTRANT not in kwargs
+    ):  # torch warns with stacklevel=2: let it name the caller, not gcpatch
         return call_from(user_frame(), original, (_inside_checkpoint(function), *args[1:]), kwargs)
     return original(_inside_checkpoint(function), *args[1:], **kwargs)
 
@@ -115,15 +148,25 @@ def _eager_under_dynamo(eval_frame: Any) -> None:
     skipped as a fresh frame)."""
     skip_code = getattr(eval_frame, "skip_code", None)
     if skip_code is None:
-        log.info("gcpatch: this torch's dynamo has no skip_code; a checkpoint call in a frame torch.compile "
-                 "gives back to eager may add a graph break")
+        log.info(
+            "gcpatch: this torch's dynamo has no skip_code; a checkpoint call in a frame"
+            " torch.compile gives back to eager may add a graph break"
+        )
         return
     try:
-        for code in (patching.FUNCTION_WRAPPER_CODE, run.__code__, _inside_checkpoint(len).__code__):
+        for code in (
+            patching.FUNCTION_WRAPPER_CODE,
+            run.__code__,
+            _inside_checkpoint(len).__code__,
+        ):
             skip_code(code)
     except Exception as exc:  # noqa: BLE001 - inside the host's import of torch._dynamo: never raise there
-        log.warning("gcpatch: could not mark its checkpoint frames for torch.compile (%s: %s); a checkpoint call "
-                    "in a frame torch.compile gives back to eager may add a graph break", type(exc).__name__, exc)
+        log.warning(
+            "gcpatch: could not mark its checkpoint frames for torch.compile (%s: %s); a checkpoint"
+            " call in a frame torch.compile gives back to eager may add a graph break",
+            type(exc).__name__,
+            exc,
+        )
 
 
 def _compiling() -> bool:
@@ -141,7 +184,10 @@ def _outcome_of(function: Any, args: tuple, kwargs: dict) -> _Outcome:
     nested = _depth.get() > 0
     asked = kwargs.get("use_reentrant")
     reentrant = asked is None or bool(asked)
-    context = "context_fn" in kwargs and kwargs["context_fn"] is not torch.utils.checkpoint.noop_context_fn
+    context = (
+        "context_fn" in kwargs
+        and kwargs["context_fn"] is not torch.utils.checkpoint.noop_context_fn
+    )
     if not (nested or reentrant):
         return _AS_CALLED  # non-reentrant, not nested: nothing to decide
     grad = torch.is_grad_enabled()
@@ -149,7 +195,11 @@ def _outcome_of(function: Any, args: tuple, kwargs: dict) -> _Outcome:
         return _AS_CALLED
     tensor = torch.Tensor
     inputs_grad = any(isinstance(a, tensor) and a.requires_grad for a in args[1:])
-    if inputs_grad and not (nested or context) and not _binds_graph_tensors(function, tensor, torch.nn.Module):
+    if (
+        inputs_grad
+        and not (nested or context)
+        and not _binds_graph_tensors(function, tensor, torch.nn.Module)
+    ):
         return _AS_CALLED  # a correct reentrant call: nothing bound into it has a graph of its own
     reach = _reach(function, torch)
     covered = None if nested else next((_covered[m] for m in reach.modules if m in _covered), None)
@@ -158,8 +208,20 @@ def _outcome_of(function: Any, args: tuple, kwargs: dict) -> _Outcome:
     elif reach.bound_grad or _any_trainable(reach.modules):
         trainable = True
     else:
-        trainable = False if reach.modules else None  # no module reached: what it uses cannot be known
-    key = (_as_bool(asked), grad, inputs_grad, trainable, context, nested, reach.graph_tensors, reach.liftable, covered)
+        trainable = (
+            False if reach.modules else None
+        )  # no module reached: what it uses cannot be known
+    key = (
+        _as_bool(asked),
+        grad,
+        inputs_grad,
+        trainable,
+        context,
+        nested,
+        reach.graph_tensors,
+        reach.liftable,
+        covered,
+    )
     outcome = _outcomes.get(key) or _decide(key, torch)
     if outcome.noteworthy:
         _report_once(outcome)
@@ -178,11 +240,18 @@ def _bind_torch() -> Any:
 def _failed_open(exc: BaseException) -> _Outcome:
     cfg = settings.read()
     if cfg.strict:
-        raise GcpatchError(f"deciding a checkpoint call failed: {type(exc).__name__}: {exc}", rule="gcpatch:call",
-                           fix="report it, or set GCPATCH_MODE=fix to run such calls as made") from exc
+        raise GcpatchError(
+            f"deciding a checkpoint call failed: {type(exc).__name__}: {exc}",
+            rule="gcpatch:call",
+            fix="report it, or set GCPATCH_MODE=fix to run such calls as made",
+        ) from exc
     if ("failed", type(exc).__name__) not in _reported_sites:
         _reported_sites.add(("failed", type(exc).__name__))
-        log.error("gcpatch: checkpoint calls left as made, deciding one failed (%s: %s)", type(exc).__name__, exc)
+        log.error(
+            "gcpatch: checkpoint calls left as made, deciding one failed (%s: %s)",
+            type(exc).__name__,
+            exc,
+        )
         record.failure("call", f"{type(exc).__name__}: {exc}", cfg.record_dir)
     return _AS_CALLED
 
@@ -203,25 +272,40 @@ def _inside_checkpoint(function: Callable[..., Any]) -> Callable[..., Any]:
 
 def _decide(key: tuple, torch: Any) -> _Outcome:
     asked, grad, inputs_grad, trainable, context, nested, graph, liftable, covered = key
-    facts = CallFacts(asked_use_reentrant=asked, grad_enabled=grad, inputs_require_grad=inputs_grad,
-                      trainable_inside=trainable, context_fn=context, nested=nested,
-                      bound_graph_tensors=graph, bound_graph_liftable=liftable,
-                      enable_decision=covered[1] if covered else "",
-                      torch_version=str(getattr(torch, "__version__", "")))
+    facts = CallFacts(
+        asked_use_reentrant=asked,
+        grad_enabled=grad,
+        inputs_require_grad=inputs_grad,
+        trainable_inside=trainable,
+        context_fn=context,
+        nested=nested,
+        bound_graph_tensors=graph,
+        bound_graph_liftable=liftable,
+        enable_decision=covered[1] if covered else "",
+        torch_version=str(getattr(torch, "__version__", "")),
+    )
     cfg = settings.read()
     try:
         votes = [_standing(facts, covered)] + engine.host().call_votes(facts)
-        decision = resolve.resolve(votes, cfg.mode)  # strict mode raises here, and nothing is cached
+        decision = resolve.resolve(
+            votes, cfg.mode
+        )  # strict mode raises here, and nothing is cached
     except GcpatchError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (fail open: decided once, as made)
         _outcomes[key] = _failed_open(exc)  # the same facts would fail again: decided once, as made
         return _AS_CALLED
     changed = decision.values.get(USE_REENTRANT)
     use_reentrant = changed if changed is not None and changed != facts.reentrant else None
     inline = bool(decision.values.get(RUN_INLINE))
-    lift = bool(decision.values.get(LIFT_BOUND_TENSORS)) and use_reentrant is None and facts.reentrant
-    applied = {USE_REENTRANT: use_reentrant is not None, RUN_INLINE: inline, LIFT_BOUND_TENSORS: lift}
+    lift = (
+        bool(decision.values.get(LIFT_BOUND_TENSORS)) and use_reentrant is None and facts.reentrant
+    )
+    applied = {
+        USE_REENTRANT: use_reentrant is not None,
+        RUN_INLINE: inline,
+        LIFT_BOUND_TENSORS: lift,
+    }
     rules = tuple(v.rule for k, v in decision.winners.items() if applied.get(k))
     if covered and use_reentrant is not None:
         _say_evidence_won(decision, covered)
@@ -234,13 +318,26 @@ def _standing(facts: CallFacts, covered: tuple | None) -> Vote:
     """The vote the call stands on: the enable-time decision that covers its module (with that
     decision's rule and strength: a user's ask stays the user's, R3's required reentrant stays
     required), else the call as the caller made it, which is the user's vote. A rule that changes
-    it is a conflict resolved by the mode (fix applies the rule, warn keeps the call, strict raises)."""
+    it is a conflict resolved by the mode (fix applies the rule, warn keeps the call, strict
+    raises).
+    """
     if covered:
         model, rule, strength, avoids, why = covered
-        return Vote(USE_REENTRANT, facts.reentrant, strength, rule, f"decided at enable time for {model} ({why})",
-                    plugin="core", avoids=avoids if strength == REQUIRED else "", short=why)
-    how = "asked at the call" if facts.asked_use_reentrant is not None else \
-        "torch's default, use_reentrant not passed"
+        return Vote(
+            USE_REENTRANT,
+            facts.reentrant,
+            strength,
+            rule,
+            f"decided at enable time for {model} ({why})",
+            plugin="core",
+            avoids=avoids if strength == REQUIRED else "",
+            short=why,
+        )
+    how = (
+        "asked at the call"
+        if facts.asked_use_reentrant is not None
+        else "torch's default, use_reentrant not passed"
+    )
     return Vote(USE_REENTRANT, facts.reentrant, USER, "USER", how, plugin="core")
 
 
@@ -250,9 +347,13 @@ def _say_evidence_won(decision: Decision, covered: tuple) -> None:
     model, rule = covered[0], covered[1]
     winner = decision.winners[USE_REENTRANT]
     decision.winners[USE_REENTRANT] = replace(
-        winner, short=f"evidence over {rule} at enable; {winner.short or winner.reason}",
-        reason=f"{winner.reason} (evidence at the call: it overrides {rule}, which decided use_reentrant=True for "
-               f"{model} at enable time)")
+        winner,
+        short=f"evidence over {rule} at enable; {winner.short or winner.reason}",
+        reason=(
+            f"{winner.reason} (evidence at the call: it overrides {rule}, which decided"
+            f" use_reentrant=True for {model} at enable time)"
+        ),
+    )
 
 
 def _report_once(outcome: _Outcome) -> None:
@@ -278,9 +379,12 @@ class _Reach:
     """What a checkpointed function holds besides its positional inputs."""
 
     modules: tuple[Any, ...] = ()
-    bound_grad: bool = False  # a tensor that requires grad is bound (partial, closure, default argument)
+    bound_grad: bool = (
+        False  # a tensor that requires grad is bound (partial, closure, default argument)
+    )
     graph_tensors: int = 0  # ... of which this many have a graph of their own (not leaves)
-    liftable: bool = False  # every such tensor is an argument of the partial itself (CK5 can pass it positionally)
+    # every such tensor is an argument of the partial itself (CK5 can pass it positionally)
+    liftable: bool = False
 
 
 _NOTHING = _Reach()
@@ -327,7 +431,9 @@ def _reach(function: Any, torch: Any) -> _Reach:
                 except ValueError:  # an empty cell: nothing bound there yet
                     continue
             pending.extend((d, False) for d in getattr(code, "__defaults__", None) or ())
-            pending.extend((d, False) for d in (getattr(code, "__kwdefaults__", None) or {}).values())
+            pending.extend(
+                (d, False) for d in (getattr(code, "__kwdefaults__", None) or {}).values()
+            )
     if not (modules or bound_grad):
         return _NOTHING
     return _Reach(tuple(modules), bound_grad, graph, bool(graph) and lifted == graph)
@@ -341,7 +447,9 @@ def _binds_graph_tensors(function: Any, tensor: type, module_type: type) -> bool
     looks deeper once a call is off the hot path."""
     if type(function) is functools.partial:
         return _has_graph(function.keywords.values(), tensor) or _has_graph(function.args, tensor)
-    if isinstance(function, module_type):  # its attributes are not read (nn.Module.__getattr__ is slow)
+    if isinstance(
+        function, module_type
+    ):  # its attributes are not read (nn.Module.__getattr__ is slow)
         return False
     code = getattr(function, "__func__", function)
     cells = []
@@ -350,7 +458,9 @@ def _binds_graph_tensors(function: Any, tensor: type, module_type: type) -> bool
             cells.append(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-    return _has_graph(cells, tensor) or _has_graph(getattr(code, "__defaults__", None) or (), tensor)
+    return _has_graph(cells, tensor) or _has_graph(
+        getattr(code, "__defaults__", None) or (), tensor
+    )
 
 
 def _has_graph(values: Any, tensor: type) -> bool:
@@ -373,8 +483,16 @@ def _lift(function: Any, args: tuple, torch: Any) -> tuple[Any, tuple]:
     tensor = torch.Tensor
     params = list(function.args)
     keywords = dict(function.keywords)
-    slots = [i for i, a in enumerate(params) if isinstance(a, tensor) and a.requires_grad and a.grad_fn is not None]
-    names = [k for k, v in keywords.items() if isinstance(v, tensor) and v.requires_grad and v.grad_fn is not None]
+    slots = [
+        i
+        for i, a in enumerate(params)
+        if isinstance(a, tensor) and a.requires_grad and a.grad_fn is not None
+    ]
+    names = [
+        k
+        for k, v in keywords.items()
+        if isinstance(v, tensor) and v.requires_grad and v.grad_fn is not None
+    ]
     moved = tuple(params[i] for i in slots) + tuple(keywords[k] for k in names)
     count = len(args) - 1
     inner = function.func
@@ -384,7 +502,7 @@ def _lift(function: Any, args: tuple, torch: Any) -> tuple[Any, tuple]:
         call_params, call_keywords = list(params), dict(keywords)
         for i, value in zip(slots, values):
             call_params[i] = value
-        for name, value in zip(names, values[len(slots):]):
+        for name, value in zip(names, values[len(slots) :]):
             call_keywords[name] = value
         return inner(*call_params, *given, **call_keywords)
 

@@ -19,6 +19,7 @@ everything else goes and is never changed. Axolotl's CLI, whose logging set-up s
 of other libraries' loggers, gets the lines from this handler; a script that calls
 `logging.basicConfig(level=INFO)` gets them once, from its own handler.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,14 @@ def speaker() -> bool:
     return ranks.local_rank() == 0
 
 
-def say(line: str, detail: str, identity: str, level: int = logging.INFO, quiet: bool = False,
-        gist: str = "") -> None:
+def say(
+    line: str,
+    detail: str,
+    identity: str,
+    level: int = logging.INFO,
+    quiet: bool = False,
+    gist: str = "",
+) -> None:
     """Log one decision: the short line once per job, the detail at DEBUG on every rank. `gist` is
     what makes two lines the same news (a re-decision at a wrap that changed nothing is not)."""
     _awake()
@@ -64,7 +71,8 @@ def say(line: str, detail: str, identity: str, level: int = logging.INFO, quiet:
 
 
 def warn(text: str) -> None:
-    """A warning attached to a decision (a rule over the user's ask, a conflict): once per job too."""
+    """A warning attached to a decision (a rule over the user's ask, a conflict): once per job
+    too."""
     _awake()
     if speaker() and text not in _said:
         _said.add(text)
@@ -91,10 +99,18 @@ def exchange(store: Any = None) -> None:
             _pending.remove((key, line))
             theirs = store.get(key).decode("utf-8", "replace")
             if theirs != line:
-                log.warning("gcpatch: rank %d decided differently from rank 0: %s (rank 0: %s)",
-                            ranks.rank(), line, theirs)
+                log.warning(
+                    "gcpatch: rank %d decided differently from rank 0: %s (rank 0: %s)",
+                    ranks.rank(),
+                    line,
+                    theirs,
+                )
     except Exception as exc:  # noqa: BLE001 (a comparison is never worth the host's job)
-        log.debug("gcpatch: could not compare decision lines with rank 0 (%s: %s)", type(exc).__name__, exc)
+        log.debug(
+            "gcpatch: could not compare decision lines with rank 0 (%s: %s)",
+            type(exc).__name__,
+            exc,
+        )
         _mine.clear()
         _pending.clear()
 
@@ -130,7 +146,8 @@ def _shows(handler: logging.Handler, record: logging.LogRecord) -> bool:
 
 
 def _on_console(stream: Any) -> bool:
-    """stdout or stderr, also behind a wrapper (colorama's, a tee that keeps the file descriptor)."""
+    """stdout or stderr, also behind a wrapper (colorama's, a tee that keeps the file
+    descriptor)."""
     if stream is None:
         return False
     if any(stream is std for std in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)):

@@ -7,6 +7,7 @@ how to replay the enable, what was learnt when it was wrapped, the last decision
 `DecisionContext` joins the two for one enable call. apply.py owns only what was installed on
 the model (hooks, `use_cache`, the eval-mode fix).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -29,7 +30,8 @@ class Asker:
     trainer: Any = None  # the Trainer whose train() is running
 
 
-_asker: contextvars.ContextVar[Asker] = contextvars.ContextVar("gcpatch_asker", default=Asker())
+_NOBODY = Asker()  # frozen: one shared default is safe
+_asker: contextvars.ContextVar[Asker] = contextvars.ContextVar("gcpatch_asker", default=_NOBODY)
 
 
 def asker() -> Asker:
@@ -91,13 +93,16 @@ class EnableCall:
 
     model: Any
     api: str
-    source: str  # Source.CALL: the user's code; Source.TRAINER: a Trainer re-enabling (X3); a framework's name
+    # Source.CALL: the user's code; Source.TRAINER: a Trainer re-enabling (X3); a framework's name
+    source: str
     asked_kwargs: Mapping[str, Any] | None  # the checkpoint kwargs asked for, None when none were
     asked_from: str
     invoke: Callable[[Mapping[str, Any] | None], Any]  # runs the original with these kwargs
     replay: Callable[[Any, Mapping[str, Any] | None], Any] | None = None  # re-enables a model later
     trainer: str = ""
-    keeps_ask: str = ""  # the plugin's rule by which an earlier ask stands over a re-enable naming none
+    keeps_ask: str = (
+        ""  # the plugin's rule by which an earlier ask stands over a re-enable naming none
+    )
 
 
 @dataclass
@@ -118,13 +123,20 @@ class DecisionContext:
 
     def chosen(self, use_reentrant: Any) -> dict[str, Any]:
         """The kwargs the framework's enable runs with: the ask, with the decided use_reentrant."""
-        return {**(self.asked or {}), USE_REENTRANT.value: use_reentrant}  # a plain str key: dynamo reads it
+        return {
+            **(self.asked or {}),
+            USE_REENTRANT.value: use_reentrant,
+        }  # a plain str key: dynamo reads it
 
     def commit(self, entry: dict[str, Any]) -> None:
         """Remember what this call leaves for later ones: the user's explicit ask (never a
         Trainer's re-enable, X3), how to replay the enable, and the decision's record."""
         call, model = self.call, self.model
-        if call.asked_kwargs is not None and USE_REENTRANT in call.asked_kwargs and self.source != Source.TRAINER:
+        if (
+            call.asked_kwargs is not None
+            and USE_REENTRANT in call.asked_kwargs
+            and self.source != Source.TRAINER
+        ):
             model.ask, model.ask_from = dict(call.asked_kwargs), call.asked_from
         model.replay = call.replay or model.replay
         model.trainer = self.trainer
@@ -143,11 +155,17 @@ def begin(call: EnableCall) -> DecisionContext:
         asked, asked_from = model.ask, f"{model.ask_from} (decided again: {who.redecided_by})"
     else:
         if who.caller and call.source == Source.CALL:
-            asked_from = f"{who.caller}(gradient_checkpointing_kwargs=...)" if call.asked_kwargs else \
-                f"nothing ({who.caller})"
+            asked_from = (
+                f"{who.caller}(gradient_checkpointing_kwargs=...)"
+                if call.asked_kwargs
+                else f"nothing ({who.caller})"
+            )
             call.asked_from = asked_from
-        if (call.asked_kwargs is None or USE_REENTRANT not in call.asked_kwargs) and model.ask is not None:
+        if (
+            call.asked_kwargs is None or USE_REENTRANT not in call.asked_kwargs
+        ) and model.ask is not None:
             asked = {**(call.asked_kwargs or {}), USE_REENTRANT: model.ask[USE_REENTRANT]}
             asked_from = f"{model.ask_from}, kept over a re-enable that names none" + (
-                f" ({call.keeps_ask})" if call.keeps_ask else "")
+                f" ({call.keeps_ask})" if call.keeps_ask else ""
+            )
     return DecisionContext(call, who, model, source, asked, asked_from)

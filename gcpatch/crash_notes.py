@@ -4,11 +4,13 @@ Each of these surfaces in a backward pass, far from its cause: a recompute that 
 the forward (`CheckpointError`), DDP's "mark a variable ready only once", "element 0 of tensors
 does not require grad", and a backward through a freed graph. While gcpatch is active,
 `torch.autograd.backward` (which `Tensor.backward` and reentrant checkpointing call) and
-`torch.autograd.grad` are wrapped by one plain function each: when one of these is raised, an exception note (PEP 678) names the likely
+`torch.autograd.grad` are wrapped by one plain function each: when one of these is raised, an
+exception note (PEP 678) names the likely
 cause, the rule that covers it, what gcpatch decided in this process and the fix; the note is
 recorded for `gcpatch explain`. The exception object, its type, message and the frames it
 was raised through are the same: it is re-raised as is (the wrapper adds its own frame).
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,25 +38,30 @@ class Family:
 FAMILIES = (
     Family(
         "recompute_mismatch",
-        ("CheckpointError", "Recomputed values for the following tensors have different metadata",
-         "A different number of tensors was saved"),
+        (
+            "CheckpointError",
+            "Recomputed values for the following tensors have different metadata",
+            "A different number of tensors was saved",
+        ),
         "a checkpointed block computed something else when it was recomputed in the backward",
-        "the recompute must repeat the forward exactly; it does not when the layers' train/eval mode changed "
-        "between forward and backward (dropout saves a mask only in training), when DeepSpeed ZeRO-3 gathers "
-        "parameters differently for the recompute (non-reentrant on DeepSpeed < 0.19.3, DeepSpeed #8148), or "
-        "when the block writes a KV cache",
-        "R3 (ZeRO-3 + frozen/PEFT parameters on DeepSpeed < 0.19.3 -> reentrant + input-grads hook), "
-        "R5 (eval mode at the first training forward), R6 (use_cache off under checkpointing)",
-        "keep the model in one mode from forward to backward (no model.eval()/train() in between); under ZeRO-3 "
-        "upgrade DeepSpeed to >= 0.19.3 or use use_reentrant=True (GCPATCH_MODE=fix applies R3)",
+        "the recompute must repeat the forward exactly; it does not when the layers' train/eval"
+        " mode changed between forward and backward (dropout saves a mask only in training), when"
+        " DeepSpeed ZeRO-3 gathers parameters differently for the recompute (non-reentrant on"
+        " DeepSpeed < 0.19.3, DeepSpeed #8148), or when the block writes a KV cache",
+        "R3 (ZeRO-3 + frozen/PEFT parameters on DeepSpeed < 0.19.3 -> reentrant + input-grads"
+        " hook), R5 (eval mode at the first training forward), R6 (use_cache off under"
+        " checkpointing)",
+        "keep the model in one mode from forward to backward (no model.eval()/train() in between);"
+        " under ZeRO-3 upgrade DeepSpeed to >= 0.19.3 or use use_reentrant=True (GCPATCH_MODE=fix"
+        " applies R3)",
     ),
     Family(
         "ddp_ready_twice",
         ("Expected to mark a variable ready only once",),
         "DDP saw a parameter's gradient twice in one backward",
-        "reentrant checkpointing runs each checkpointed block's backward as a separate backward pass; with "
-        "DDP(find_unused_parameters=True) (or a parameter shared between blocks) the recompute fires the "
-        "parameter's DDP hook a second time (trl#4782, accelerate#2017)",
+        "reentrant checkpointing runs each checkpointed block's backward as a separate backward"
+        " pass; with DDP(find_unused_parameters=True) (or a parameter shared between blocks) the"
+        " recompute fires the parameter's DDP hook a second time (trl#4782, accelerate#2017)",
         "R4 (multi-process DDP with find_unused_parameters=True + reentrant -> non-reentrant)",
         "use_reentrant=False (gcpatch's R4 applies it in fix mode when DDP wraps the model), or "
         "find_unused_parameters=False (ddp_find_unused_parameters=False in TrainingArguments), or "
@@ -64,40 +71,42 @@ FAMILIES = (
         "loss_without_grad",
         ("element 0 of tensors does not require grad and does not have a grad_fn",),
         "the loss has no graph to backpropagate",
-        "with reentrant checkpointing a checkpointed block whose inputs need no gradient returns an output "
-        "without one (frozen embeddings, inputs_embeds, adapters inside frozen layers, hidden states passed by "
-        "keyword); if nothing trainable comes after the blocks the loss has no grad_fn. Also: every parameter "
-        "frozen, or the forward ran under torch.no_grad()",
-        "CK1 (a reentrant call none of whose positional inputs requires grad -> non-reentrant), R1 (partially "
-        "frozen + reentrant -> non-reentrant), R2/X2/P1 (input-grads hook under reentrant)",
-        "use_reentrant=False, or model.enable_input_require_grads() before training; check that a parameter "
-        "requires grad and that the forward is not under torch.no_grad()",
+        "with reentrant checkpointing a checkpointed block whose inputs need no gradient returns an"
+        " output without one (frozen embeddings, inputs_embeds, adapters inside frozen layers,"
+        " hidden states passed by keyword); if nothing trainable comes after the blocks the loss"
+        " has no grad_fn. Also: every parameter frozen, or the forward ran under torch.no_grad()",
+        "CK1 (a reentrant call none of whose positional inputs requires grad -> non-reentrant), R1"
+        " (partially frozen + reentrant -> non-reentrant), R2/X2/P1 (input-grads hook under"
+        " reentrant)",
+        "use_reentrant=False, or model.enable_input_require_grads() before training; check that a"
+        " parameter requires grad and that the forward is not under torch.no_grad()",
     ),
     Family(
         "backward_twice",
         ("Trying to backward through the graph a second time",),
         "a graph was backpropagated twice",
-        "under reentrant checkpointing, a tensor with a graph that reaches a checkpointed function other than "
-        "as a positional input (a keyword such as hidden_states=..., a closure, a default argument) is "
-        "backpropagated inside each checkpoint's own backward, once per block that uses it; also a tensor "
-        "computed with grad in one step and used again in the next (inputs_embeds or an embedding output "
-        "computed once outside the loop, a KV cache carried across steps), or backward() run twice on one loss",
-        "CK1/CK5 (a tensor bound into a reentrant checkpoint: passed positionally, or non-reentrant), "
-        "R6 (use_cache off under checkpointing), R1/R4 (non-reentrant)",
-        "use_reentrant=False, or pass the tensor to the checkpointed layer positionally (GCPATCH_MODE=fix applies "
-        "CK1/CK5); recompute per step what is reused across steps; use_cache=False; retain_graph=True only if a "
-        "second backward is intended",
+        "under reentrant checkpointing, a tensor with a graph that reaches a checkpointed function"
+        " other than as a positional input (a keyword such as hidden_states=..., a closure, a"
+        " default argument) is backpropagated inside each checkpoint's own backward, once per block"
+        " that uses it; also a tensor computed with grad in one step and used again in the next"
+        " (inputs_embeds or an embedding output computed once outside the loop, a KV cache carried"
+        " across steps), or backward() run twice on one loss",
+        "CK1/CK5 (a tensor bound into a reentrant checkpoint: passed positionally, or"
+        " non-reentrant), R6 (use_cache off under checkpointing), R1/R4 (non-reentrant)",
+        "use_reentrant=False, or pass the tensor to the checkpointed layer positionally"
+        " (GCPATCH_MODE=fix applies CK1/CK5); recompute per step what is reused across steps;"
+        " use_cache=False; retain_graph=True only if a second backward is intended",
     ),
     Family(
         "reentrant_grad",
         ("torch.utils.checkpoint is incompatible with .grad()",),
         "reentrant checkpointing cannot serve torch.autograd.grad or backward(inputs=...)",
-        "reentrant checkpointing runs each block's backward as a separate backward that accumulates into .grad; "
-        "torch refuses it inside torch.autograd.grad() or backward(inputs=...). Known only at backward time: "
-        "nothing in the forward shows how the gradients will be taken",
+        "reentrant checkpointing runs each block's backward as a separate backward that accumulates"
+        " into .grad; torch refuses it inside torch.autograd.grad() or backward(inputs=...). Known"
+        " only at backward time: nothing in the forward shows how the gradients will be taken",
         "CK1 (non-reentrant where the evidence shows reentrant cannot serve)",
-        "use_reentrant=False (gradient_checkpointing_kwargs={'use_reentrant': False}), or take gradients with "
-        "loss.backward()",
+        "use_reentrant=False (gradient_checkpointing_kwargs={'use_reentrant': False}), or take"
+        " gradients with loss.backward()",
     ),
 )
 
@@ -123,7 +132,8 @@ def _install(module: Any) -> None:
         _installed.append((module, name, original, wrapper))
 
 
-# The autograd entries a checkpointing failure surfaces through: backward (Tensor.backward, reentrant
+# The autograd entries a checkpointing failure surfaces through: backward (Tensor.backward,
+# reentrant
 # checkpointing's own) and grad (torch.autograd.grad, which reentrant checkpointing refuses).
 _ENTRIES = ("backward", "grad")
 
@@ -155,7 +165,8 @@ def family_of(exc: BaseException) -> Family | None:
 
 
 def explain(exc: BaseException) -> str | None:
-    """Add gcpatch's note to a known checkpointing failure (once); returns the note. Never raises."""
+    """Add gcpatch's note to a known checkpointing failure (once); returns the note. Never
+    raises."""
     try:
         if getattr(exc, _MARK, False):
             return None
@@ -164,11 +175,17 @@ def explain(exc: BaseException) -> str | None:
             return None
         setattr(exc, _MARK, True)
         decided = decisions()
-        lines = [f"likely cause: {family.cause}", f"rule: {family.rules}",
-                 *(f"gcpatch decided: {text}" for text in decided), f"fix: {family.fix}"]
+        lines = [
+            f"likely cause: {family.cause}",
+            f"rule: {family.rules}",
+            *(f"gcpatch decided: {text}" for text in decided),
+            f"fix: {family.fix}",
+        ]
         note = f"gcpatch [{family.id}]: {family.title}\n" + "\n".join(f"  {line}" for line in lines)
         message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        line = f"gcpatch: rank {rank()} crash explained [{family.id}]: {type(exc).__name__}: {message}"
+        line = (
+            f"gcpatch: rank {rank()} crash explained [{family.id}]: {type(exc).__name__}: {message}"
+        )
         if hasattr(exc, "add_note"):
             # The note is what the user sees if the exception propagates; a program that expects
             # and catches it (torch's own tests catch CheckpointError) sees no ERROR line.
@@ -176,11 +193,24 @@ def explain(exc: BaseException) -> str | None:
             log.debug("%s (gcpatch's note is on the exception)", line)
         else:  # Python < 3.11 has no exception notes: the log line is the only carrier
             log.warning("%s\n%s", line, note)
-        record.event({"stage": "crash", "family": family.id, "error": f"{type(exc).__name__}: {message}",
-                      "line": line, "details": lines}, settings.read().record_dir)
+        record.event(
+            {
+                "stage": "crash",
+                "family": family.id,
+                "error": f"{type(exc).__name__}: {message}",
+                "line": line,
+                "details": lines,
+            },
+            settings.read().record_dir,
+        )
         return note
     except Exception as inner:  # noqa: BLE001 (the user's exception must propagate untouched)
-        log.error("gcpatch: could not explain %s (%s: %s)", type(exc).__name__, type(inner).__name__, inner)
+        log.error(
+            "gcpatch: could not explain %s (%s: %s)",
+            type(exc).__name__,
+            type(inner).__name__,
+            inner,
+        )
         return None
 
 
@@ -192,7 +222,11 @@ def decisions() -> list[str]:
         if entry.get("stage") in ("enable", "first_forward", "config"):
             last[entry.get("model", "?")] = entry
         elif entry.get("stage") == "call":  # a checkpoint call site's own decision (CK1-CK5)
-            last[f"checkpoint call at {entry.get('site', '?')}"] = {**entry, "api": "checkpoint", "source": "call"}
+            last[f"checkpoint call at {entry.get('site', '?')}"] = {
+                **entry,
+                "api": "checkpoint",
+                "source": "call",
+            }
         elif entry.get("stage") == "verify":
             verified.append(entry["line"].split(" verify ", 1)[-1])
     if not last:
@@ -201,8 +235,10 @@ def decisions() -> list[str]:
     for model, entry in last.items():
         applied = ", ".join(f"{k}={v}" for k, v in entry.get("applied", {}).items()) or "nothing"
         decision = entry.get("decision", {})
-        text = (f"{model}.{entry.get('api', '?')} ({entry.get('source', '?')}): applied {applied} by "
-                f"{', '.join(entry.get('rules') or ['no rule'])} in {decision.get('mode', '?')} mode")
+        text = (
+            f"{model}.{entry.get('api', '?')} ({entry.get('source', '?')}): applied {applied} by "
+            f"{', '.join(entry.get('rules') or ['no rule'])} in {decision.get('mode', '?')} mode"
+        )
         warnings = decision.get("warnings", []) + decision.get("conflicts", [])
         out.append(text + "".join(f"; warning: {w}" for w in warnings))
     return out + [f"verify: {text}" for text in verified]

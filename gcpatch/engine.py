@@ -7,6 +7,7 @@ at the first call through one of those points (an enable, a checkpoint call, a w
 asked (`gcpatch doctor`), so a process that never checkpoints (a DataLoader worker, a tokenizer
 script) pays for the arming only (benchmarks/IMPORT_COST.md).
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,6 +18,7 @@ from gcpatch.patching import Patcher
 
 if TYPE_CHECKING:
     from gcpatch.manager import PluginHost
+
 
 def _v4(module: Any) -> bool:
     return not hasattr(module.PreTrainedModel, "_activation_checkpointing_enable")
@@ -50,9 +52,20 @@ BUILTIN_POINTS: tuple[tuple[str, str, str, bool, Callable[[Any], bool] | None], 
     ("axolotl", "axolotl.utils.config", "validate_config", True, None),
     ("colossalai", "colossalai.booster.booster", "Booster.boost", False, None),
     ("fsdp", "torch.distributed.fsdp", "fully_shard", True, None),
-    ("fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel.__init__", False, None),
-    ("fsdp", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "apply_activation_checkpointing", True,
-     None),
+    (
+        "fsdp",
+        "torch.distributed.fsdp.fully_sharded_data_parallel",
+        "FullyShardedDataParallel.__init__",
+        False,
+        None,
+    ),
+    (
+        "fsdp",
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "apply_activation_checkpointing",
+        True,
+        None,
+    ),
 )
 # Points no call through which needs the plugins before a checkpoint call loaded them (CK6 looks at
 # a gradient call only once a reentrant checkpoint ran): registered when the plugins load, so a
@@ -61,8 +74,12 @@ LOAD_TIME_POINTS = frozenset({("torch.autograd", "grad"), ("torch.autograd", "ba
 
 # Points that act only on what a decision left (R6's use_cache in what is saved): a call through one
 # does not load the plugins (a script that only reads a config pays nothing).
-QUIET_POINTS = frozenset({("transformers.configuration_utils", "PretrainedConfig.to_dict"),
-                          ("transformers.modeling_utils", "PreTrainedModel.save_pretrained")})
+QUIET_POINTS = frozenset(
+    {
+        ("transformers.configuration_utils", "PretrainedConfig.to_dict"),
+        ("transformers.modeling_utils", "PreTrainedModel.save_pretrained"),
+    }
+)
 
 # Points torch.compile traces through (the checkpoint call of every checkpointed layer): a plain
 # function wraps them, so dynamo inlines it and meets torch's own checkpoint (its higher-order op).
@@ -83,7 +100,14 @@ def arm() -> Patcher:
         _patcher = patcher
         for plugin, module, target, copies, applies in BUILTIN_POINTS:
             if plugin not in cfg.blocked_plugins:
-                patcher.arm(module, target, plugin, copies, applies, wakes=(module, target) not in QUIET_POINTS)
+                patcher.arm(
+                    module,
+                    target,
+                    plugin,
+                    copies,
+                    applies,
+                    wakes=(module, target) not in QUIET_POINTS,
+                )
     return _patcher
 
 

@@ -1,4 +1,5 @@
 """The one exception gcpatch raises into a host, and only in strict mode."""
+
 from __future__ import annotations
 
 

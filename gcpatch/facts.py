@@ -3,6 +3,7 @@
 Only what every rank sees the same: parameter layout, modes, config, versions, WORLD_SIZE.
 Nothing rank-local: a decision that differs between ranks deadlocks DDP.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -23,7 +24,9 @@ VERSIONED = ("torch", "transformers", "accelerate", "peft", "trl", "deepspeed", 
 
 # Within one decision the module tree does not change (the framework's enable only sets flags):
 # each model is walked once, however many facts and apply steps look at it.
-_walk: contextvars.ContextVar[dict[tuple[int, str], Any] | None] = contextvars.ContextVar("gcpatch_walk", default=None)
+_walk: contextvars.ContextVar[dict[tuple[int, str], Any] | None] = contextvars.ContextVar(
+    "gcpatch_walk", default=None
+)
 
 
 @contextmanager
@@ -71,7 +74,8 @@ def is_checkpoint_layer(module: Any) -> bool:
 def checkpoint_site(layers: list[Any]) -> str:
     """Where the checkpoint call sits around a checkpointed layer, which decides what a reentrant
     recompute runs again in backward (F2):
-    "loop": the stack's loop checkpoints `layer.__call__` (families before GradientCheckpointingLayer):
+    "loop": the stack's loop checkpoints `layer.__call__` (families before
+    GradientCheckpointingLayer):
       the layer's hooks and any wrapper module around it (FSDP1's) run again;
     "layer_call": GradientCheckpointingLayer.__call__ checkpoints `nn.Module.__call__` (transformers
       4.52-5.22): the layer's own hooks (FSDP2's) run again, a wrapper around it does not;
@@ -111,7 +115,11 @@ def _checkpoint_stacks(model: Any) -> list[tuple[str, Any, list[Any]]]:
         name = names.get(id(layer), "")
         if not is_checkpoint_layer(layer):
             # the flagged module runs the loop itself: its blocks are its largest module list
-            lists = [(n, c) for n, c in layer.named_children() if type(c).__name__ in _CONTAINERS and len(c)]
+            lists = [
+                (n, c)
+                for n, c in layer.named_children()
+                if type(c).__name__ in _CONTAINERS and len(c)
+            ]
             if lists:
                 list_name, blocks = max(lists, key=lambda item: len(item[1]))
                 key = f"{name}.{list_name}" if name else list_name
@@ -140,27 +148,36 @@ def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
     names = {id(m): n for n, m in named_modules(model)}
     stacks = checkpoint_stacks(model)
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
-    owners = {id(owner) for _, owner, _ in stacks} | {id(layer) for _, _, layers in stacks for layer in layers}
+    owners = {id(owner) for _, owner, _ in stacks} | {
+        id(layer) for _, _, layers in stacks for layer in layers
+    }
     embeddings = _input_embeddings(model)
     facts = []
     for name, owner, layers in stacks:
         layer_ids = {id(p) for layer in layers for p in layer.parameters()}
-        trainable_inside = sum(_numel(p) for layer in layers for p in layer.parameters() if p.requires_grad)
-        upstream, fed = _upstream(model, names.get(id(layers[0]), ""), owners, layer_ids, embeddings)
-        facts.append({
-            "stack": name,
-            "runner": type(owner).__name__,
-            "blocks": len(layers),
-            "block_class": type(layers[0]).__name__,
-            "trainable_in_blocks": trainable_inside,
-            "trainable_upstream": upstream,
-            "inputs_can_require_grad": upstream > 0,
-            # the model's input embeddings sit upstream: an input-grads hook on their output (R2, X2, P1)
-            # makes the stack's first input require grad under reentrant
-            "fed_by_input_embeddings": fed,
-            "blocks_in_eval_mode": sum(1 for layer in layers if not layer.training),
-            "encoder_states_by_keyword": encoder_decoder and _encoder_states_by_keyword(owner),
-        })
+        trainable_inside = sum(
+            _numel(p) for layer in layers for p in layer.parameters() if p.requires_grad
+        )
+        upstream, fed = _upstream(
+            model, names.get(id(layers[0]), ""), owners, layer_ids, embeddings
+        )
+        facts.append(
+            {
+                "stack": name,
+                "runner": type(owner).__name__,
+                "blocks": len(layers),
+                "block_class": type(layers[0]).__name__,
+                "trainable_in_blocks": trainable_inside,
+                "trainable_upstream": upstream,
+                "inputs_can_require_grad": upstream > 0,
+                # the model's input embeddings sit upstream: an input-grads hook on their output
+                # (R2, X2, P1)
+                # makes the stack's first input require grad under reentrant
+                "fed_by_input_embeddings": fed,
+                "blocks_in_eval_mode": sum(1 for layer in layers if not layer.training),
+                "encoder_states_by_keyword": encoder_decoder and _encoder_states_by_keyword(owner),
+            }
+        )
     return tuple(facts)
 
 
@@ -175,11 +192,15 @@ def _encoder_states_by_keyword(runner: Any) -> bool:
     try:
         source = inspect.getsource(type(runner).forward)
     except (OSError, TypeError) as exc:
-        log.debug("gcpatch: R1: no source for %s.forward (%s); its encoder states are taken as positional",
-                  type(runner).__name__, exc)
+        log.debug(
+            "gcpatch: R1: no source for %s.forward (%s); its encoder states are taken as"
+            " positional",
+            type(runner).__name__,
+            exc,
+        )
         return False
     for loop in re.finditer(r"for\s+(?:\w+\s*,\s*)?(\w+)\s+in\s+(?:enumerate\()?self\.\w+", source):
-        call = re.search(rf"\b{loop.group(1)}\(", source[loop.end():])
+        call = re.search(rf"\b{loop.group(1)}\(", source[loop.end() :])
         if call is None:
             continue
         start = loop.end() + call.end()
@@ -192,7 +213,9 @@ def _encoder_states_by_keyword(runner: Any) -> bool:
     return False
 
 
-def _upstream(model: Any, path: str, owners: set[int], skip: set[int], embeddings: Any) -> tuple[int, bool]:
+def _upstream(
+    model: Any, path: str, owners: set[int], skip: set[int], embeddings: Any
+) -> tuple[int, bool]:
     """Trainable parameter sizes registered before `path` at every level from the root to it, and
     whether the input embeddings are among those modules."""
     total = 0
@@ -204,7 +227,9 @@ def _upstream(model: Any, path: str, owners: set[int], skip: set[int], embedding
                 break
             if any(id(m) in owners for m in child.modules()):
                 continue  # a branch with its own checkpointed stack: not counted as upstream
-            total += sum(_numel(p) for p in child.parameters() if p.requires_grad and id(p) not in skip)
+            total += sum(
+                _numel(p) for p in child.parameters() if p.requires_grad and id(p) not in skip
+            )
             fed = fed or (embeddings is not None and any(m is embeddings for m in child.modules()))
         module = getattr(module, part, None) if not part.isdigit() else module[int(part)]
         if module is None:
@@ -216,7 +241,12 @@ def _input_embeddings(model: Any) -> Any:
     try:
         return model.get_input_embeddings()
     except Exception as exc:  # noqa: BLE001 (many models do not implement it)
-        log.debug("gcpatch: R1: %s has no input embeddings (%s: %s)", type(model).__name__, type(exc).__name__, exc)
+        log.debug(
+            "gcpatch: R1: %s has no input embeddings (%s: %s)",
+            type(model).__name__,
+            type(exc).__name__,
+            exc,
+        )
         return None
 
 
@@ -233,7 +263,9 @@ def checkpoint_function() -> str:
         if inner is None:
             break
         func = inner
-    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
+    return (
+        f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
+    )
 
 
 def fsdp_facts(model: Any, context: Mapping[str, Any]) -> dict[str, str]:
@@ -259,7 +291,11 @@ def fsdp_facts(model: Any, context: Mapping[str, Any]) -> dict[str, str]:
         kinds.append(f"accelerate:fsdp{os.environ.get('FSDP_VERSION', '1')}")
         if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").lower() == "true":
             planned = "accelerate FSDP plugin activation_checkpointing (planned)"
-    checkpointing = f"checkpoint_wrapper: {wrappers} modules ({', '.join(sorted(impls))})" if wrappers else planned
+    checkpointing = (
+        f"checkpoint_wrapper: {wrappers} modules ({', '.join(sorted(impls))})"
+        if wrappers
+        else planned
+    )
     return {"fsdp": ", ".join(kinds), "fsdp_checkpointing": checkpointing}
 
 
@@ -296,9 +332,12 @@ def use_cache_configs(model: Any) -> dict[str, Any]:
 
 
 def passes_kv_cache(kwargs: Mapping[str, Any]) -> bool:
-    """A forward call extends a KV cache, under either keyword a release takes it by: `past_key_values`
+    """A forward call extends a KV cache, under either keyword a release takes it by:
+    `past_key_values`
     up to transformers 5.23, `cache` from 5.24 (models/*/modeling_*.py:
-    `@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`). Runs at every forward: two lookups."""
+    `@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`). Runs at every forward: two
+    lookups.
+    """
     return kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
 
 
@@ -338,17 +377,24 @@ def gather(
         frozen_params=frozen,
         embeddings_trainable=_embeddings_trainable(model),
         checkpointed_layers=len(layers),
-        trainable_in_checkpointed_layers=any(p.requires_grad for m in layers for p in m.parameters()),
+        trainable_in_checkpointed_layers=any(
+            p.requires_grad for m in layers for p in m.parameters()
+        ),
         main_input_name=str(getattr(model, "main_input_name", "input_ids")),
         layers_in_eval_mode=sum(1 for m in layers if not m.training),
         checkpoint_layer_api=bool(layers) and is_checkpoint_layer(layers[0]),
         checkpoint_site=checkpoint_site(layers),
         use_cache=getattr(config, "use_cache", None),
-        use_cache_configs={where: getattr(cfg, "use_cache", None) for where, cfg in use_cache_configs(model).items()},
+        use_cache_configs={
+            where: getattr(cfg, "use_cache", None)
+            for where, cfg in use_cache_configs(model).items()
+        },
         stacks=stack_facts(model),
         checkpoint_function=checkpoint_function(),
         peft=bool(getattr(model, "_hf_peft_config_loaded", False)) or _has_peft_modules(model),
-        kbit=bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)),
+        kbit=bool(
+            getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+        ),
         zero3=_zero3(model),
         world_size=world_size,
         distributed="ddp" if world_size > 1 else "none",
@@ -378,13 +424,29 @@ def for_config(
     `partially_frozen` holds; the model-level decision later sees the real counts."""
     asked = dict(asked_kwargs or {})
     return Facts(
-        stage="config", api=api, source="config", model_class=model_class,
-        asked_use_reentrant=_as_bool(asked.get("use_reentrant")), asked_from=asked_from, asked_kwargs=asked,
-        trainable_params=1, frozen_params=1 if partially_frozen else 0, embeddings_trainable=None,
-        checkpointed_layers=0, trainable_in_checkpointed_layers=True, main_input_name="input_ids",
-        layers_in_eval_mode=0, checkpoint_layer_api=True, use_cache=None, peft=peft, kbit=kbit,
-        zero3=zero3, world_size=world_size, distributed="ddp" if world_size > 1 else "none",
-        versions=versions(), trainer=trainer,
+        stage="config",
+        api=api,
+        source="config",
+        model_class=model_class,
+        asked_use_reentrant=_as_bool(asked.get("use_reentrant")),
+        asked_from=asked_from,
+        asked_kwargs=asked,
+        trainable_params=1,
+        frozen_params=1 if partially_frozen else 0,
+        embeddings_trainable=None,
+        checkpointed_layers=0,
+        trainable_in_checkpointed_layers=True,
+        main_input_name="input_ids",
+        layers_in_eval_mode=0,
+        checkpoint_layer_api=True,
+        use_cache=None,
+        peft=peft,
+        kbit=kbit,
+        zero3=zero3,
+        world_size=world_size,
+        distributed="ddp" if world_size > 1 else "none",
+        versions=versions(),
+        trainer=trainer,
     )
 
 
@@ -412,7 +474,7 @@ def installed_version(dist: str) -> str | None:
     except metadata.PackageNotFoundError:
         return None
     folder = getattr(getattr(found, "_path", None), "name", "")
-    stem = folder[:-len(".dist-info")] if folder.endswith(".dist-info") else ""
+    stem = folder[: -len(".dist-info")] if folder.endswith(".dist-info") else ""
     if stem.count("-") == 1:  # `name-version`: both escaped, so one dash
         return stem.split("-")[1]
     return found.version
@@ -439,8 +501,12 @@ def _zero3(model: Any) -> bool:
     try:
         return bool(check()) if check is not None else False
     except Exception as exc:  # noqa: BLE001
-        log.warning("gcpatch: R3: cannot tell whether ZeRO-3 is on (is_deepspeed_zero3_enabled raised %s: %s); "
-                    "taken as off", type(exc).__name__, exc)
+        log.warning(
+            "gcpatch: R3: cannot tell whether ZeRO-3 is on (is_deepspeed_zero3_enabled raised %s:"
+            " %s); taken as off",
+            type(exc).__name__,
+            exc,
+        )
         return False
 
 
@@ -456,5 +522,7 @@ def _as_bool(value: Any) -> bool | None:
 def _int_env(name: str, default: int) -> int:
     from gcpatch import settings
 
-    meaning = "the number of processes" if name == "WORLD_SIZE" else "this process's rank (records only)"
+    meaning = (
+        "the number of processes" if name == "WORLD_SIZE" else "this process's rank (records only)"
+    )
     return settings.int_env(name, default, meaning)

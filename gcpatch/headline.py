@@ -2,6 +2,7 @@
 e.g. `gcpatch: LlamaForCausalLM: use_reentrant True -> False (R1: frozen upstream, 2 blocks
 would lose gradients)`. The asked value, the facts and every vote stay in the record
 (`gcpatch explain -v`) and in the DEBUG line (`detail`)."""
+
 from __future__ import annotations
 
 import os
@@ -9,26 +10,35 @@ from typing import Any
 
 LIMIT = 120  # characters of the first line: one terminal row
 # R6's use_cache=False comes with every enable: it is in the record and the DEBUG line, not here.
-_KNOB_WORDS = {"input_grads_hook": "input-grads hook", "run_inline": "runs inline",
-               "lift_bound_tensors": "bound tensors passed as inputs"}
+_KNOB_WORDS = {
+    "input_grads_hook": "input-grads hook",
+    "run_inline": "runs inline",
+    "lift_bound_tensors": "bound tensors passed as inputs",
+}
 
 
 def line(entry: dict[str, Any]) -> str:
     """The short line for one record (a decision, a checkpoint call site or a failure)."""
     if "failed_open" in entry:
-        return _fit(f"gcpatch: {entry.get('stage', '?')} failed open, the framework's own behaviour is kept "
-                    f"({entry['failed_open']})")
+        return _fit(
+            f"gcpatch: {entry.get('stage', '?')} failed open, the framework's own behaviour is kept"
+            f" ({entry['failed_open']})"
+        )
     if entry.get("stage") == "call":
         head = f"gcpatch: checkpoint call at {_site(entry.get('site', '?'))}: "
     else:
-        # one word: "DDP(find_unused_parameters=True) (R4)" -> DDP, "wrapped by PeftModelForCausalLM" -> the wrapper
+        # one word: "DDP(find_unused_parameters=True) (R4)" -> DDP, "wrapped by
+        # PeftModelForCausalLM" -> the wrapper
         source = (str(entry.get("source") or "call").split("(", 1)[0].split() or ["call"])[-1]
-        model = str(entry.get("model", "?")).rstrip("/").rsplit("/", 1)[-1]  # a config names the model's path
+        model = (
+            str(entry.get("model", "?")).rstrip("/").rsplit("/", 1)[-1]
+        )  # a config names the model's path
         head = f"gcpatch: {model}" + (f" ({source})" if source != "call" else "") + ": "
     parts = _parts(entry)
     if not parts:
         return _fit(head + "left as asked")
-    # The first part keeps its reason; the rest name their rule only, and drop out if the line is full.
+    # The first part keeps its reason; the rest name their rule only, and drop out if the line is
+    # full.
     text = head + parts[0]
     for index, part in enumerate(parts[1:], 1):
         room = LIMIT - (len(" +9 more") if index < len(parts) - 1 else 0)
@@ -45,19 +55,31 @@ def _parts(entry: dict[str, Any]) -> list[str]:
     parts: list[str] = []
     if "use_reentrant" in applied:
         parts.append(_reentrant(entry, applied["use_reentrant"], winners.get("use_reentrant")))
-    hook = winners.get("input_grads_hook") if isinstance(winners.get("input_grads_hook"), dict) else {}
+    hook = (
+        winners.get("input_grads_hook") if isinstance(winners.get("input_grads_hook"), dict) else {}
+    )
     if applied.get("input_grads_hook") and _kept_through_hook(entry):
-        # R1 recommended non-reentrant, the user's reentrant is kept: the hook is what makes it exact
-        parts[0] += f", exact through the input-grads hook ({hook.get('rule', 'R2')}: frozen upstream)"
+        # R1 recommended non-reentrant, the user's reentrant is kept: the hook is what makes it
+        # exact
+        parts[0] += (
+            f", exact through the input-grads hook ({hook.get('rule', 'R2')}: frozen upstream)"
+        )
         applied = {k: v for k, v in applied.items() if k != "input_grads_hook"}
     for knob, value in applied.items():
         vote = winners.get(knob) if isinstance(winners.get(knob), dict) else {}
         rule = vote.get("rule", "?")
         if knob == "eval_mode_fix":
-            parts.append(f"{value} eval-mode layers checkpoint anyway ({rule}: {_short(vote)})" if value else
-                         f"eval-mode layers cannot be switched, call model.train() ({rule})")
+            parts.append(
+                f"{value} eval-mode layers checkpoint anyway ({rule}: {_short(vote)})"
+                if value
+                else f"eval-mode layers cannot be switched, call model.train() ({rule})"
+            )
         elif knob in _KNOB_WORDS and value:
-            parts.append(f"{_KNOB_WORDS[knob]} ({rule}: {_short(vote)})" if not parts else f"{_KNOB_WORDS[knob]} ({rule})")
+            parts.append(
+                f"{_KNOB_WORDS[knob]} ({rule}: {_short(vote)})"
+                if not parts
+                else f"{_KNOB_WORDS[knob]} ({rule})"
+            )
     return parts
 
 
@@ -66,7 +88,11 @@ def _reentrant(entry: dict[str, Any], value: Any, vote: Any) -> str:
     asked = (entry.get("asked") or {}).get("use_reentrant")
     rule = vote.get("rule", "?")
     if rule == "USER":
-        kept = " (X3: earlier ask kept)" if "(X3)" in str((entry.get("asked") or {}).get("from")) else ""
+        kept = (
+            " (X3: earlier ask kept)"
+            if "(X3)" in str((entry.get("asked") or {}).get("from"))
+            else ""
+        )
         return f"use_reentrant={value} as asked{kept}"
     reason = f"{rule}: {_short(vote)}" if _short(vote) else rule
     if asked == value:
@@ -76,12 +102,20 @@ def _reentrant(entry: dict[str, Any], value: Any, vote: Any) -> str:
 
 
 def _kept_through_hook(entry: dict[str, Any]) -> bool:
-    """The user's reentrant won over a recommendation for non-reentrant that only the hook answers (R1)."""
+    """The user's reentrant won over a recommendation for non-reentrant that only the hook answers
+    (R1)."""
     decision = entry.get("decision") or {}
     won = (decision.get("winners") or {}).get("use_reentrant") or {}
-    return won.get("rule") == "USER" and won.get("value") is True and any(
-        v.get("knob") == "use_reentrant" and v.get("strength") == "recommended" and v.get("rule") == "R1"
-        for v in decision.get("overruled") or [])
+    return (
+        won.get("rule") == "USER"
+        and won.get("value") is True
+        and any(
+            v.get("knob") == "use_reentrant"
+            and v.get("strength") == "recommended"
+            and v.get("rule") == "R1"
+            for v in decision.get("overruled") or []
+        )
+    )
 
 
 def _short(vote: dict[str, Any]) -> str:
@@ -103,7 +137,7 @@ def _site(site: str) -> str:
 
 
 def _fit(text: str, limit: int = LIMIT) -> str:
-    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def warnings(entry: dict[str, Any]) -> list[str]:
@@ -126,38 +160,65 @@ def warnings(entry: dict[str, Any]) -> list[str]:
             if not isinstance(won, dict):
                 continue
             if vote.get("strength") == "user" and won.get("strength") == "required":
-                out.append(_fit(f"gcpatch: {who}: {won.get('rule')} overrules {_whose(vote)} {vote.get('knob')}="
-                                f"{vote.get('value')} (GCPATCH_MODE=warn keeps it)"))
+                out.append(
+                    _fit(
+                        f"gcpatch: {who}: {won.get('rule')} overrules {_whose(vote)}"
+                        f" {vote.get('knob')}={vote.get('value')} (GCPATCH_MODE=warn keeps it)"
+                    )
+                )
             elif vote.get("strength") == "required" and won.get("strength") == "user":
-                out.append(_fit(f"gcpatch: {who}: warn mode keeps {won.get('knob')}={won.get('value')} over "
-                                f"{vote.get('rule')} ({_short(vote)})"))
+                out.append(
+                    _fit(
+                        f"gcpatch: {who}: warn mode keeps {won.get('knob')}={won.get('value')} over"
+                        f" {vote.get('rule')} ({_short(vote)})"
+                    )
+                )
     for text in decision.get("conflicts") or []:
-        rules = sorted({v.get("rule", "?") for v in decision.get("overruled") or [] if v.get("strength") == "required"})
+        rules = sorted(
+            {
+                v.get("rule", "?")
+                for v in decision.get("overruled") or []
+                if v.get("strength") == "required"
+            }
+        )
         knob = str(text).split(":", 1)[0].rsplit(" ", 1)[-1]
         won = winners.get(knob) if isinstance(winners.get(knob), dict) else {}
-        out.append(_fit(f"gcpatch: {who}: required rules disagree on {knob}; {won.get('rule', '?')} wins over "
-                        f"{', '.join(rules) or '?'} (gcpatch explain -v)"))
+        out.append(
+            _fit(
+                f"gcpatch: {who}: required rules disagree on {knob}; {won.get('rule', '?')} wins"
+                f" over {', '.join(rules) or '?'} (gcpatch explain -v)"
+            )
+        )
     return out
 
 
 def _whose(vote: dict[str, Any]) -> str:
     # A call that named no use_reentrant runs with torch's default: nobody chose it.
-    return "torch's default" if str(vote.get("reason", "")).startswith("torch's default") else "your"
+    return (
+        "torch's default" if str(vote.get("reason", "")).startswith("torch's default") else "your"
+    )
 
 
 def detail(entry: dict[str, Any]) -> str:
     """Everything about one decision on one line (DEBUG, and `gcpatch explain -v`): where, what was
     asked, what was applied, which rule and its full reason."""
     if "failed_open" in entry:
-        return (f"gcpatch: rank {entry.get('rank')} {entry.get('stage')}: failed open, original behaviour "
-                f"({entry['failed_open']})")
+        return (
+            f"gcpatch: rank {entry.get('rank')} {entry.get('stage')}: failed open, original"
+            f" behaviour ({entry['failed_open']})"
+        )
     if entry.get("stage") == "call":
         applied = ", ".join(f"{k}={v}" for k, v in entry["applied"].items()) or "left as called"
         why = "; ".join(entry["why"].values())
-        return f"gcpatch: rank {entry['rank']} checkpoint call at {entry['site']}: {applied}" + (f" | {why}" if why else "")
+        return f"gcpatch: rank {entry['rank']} checkpoint call at {entry['site']}: {applied}" + (
+            f" | {why}" if why else ""
+        )
     asked = entry["asked"]
     ask = "nothing" if asked["use_reentrant"] is None else f"use_reentrant={asked['use_reentrant']}"
     applied = ", ".join(f"{k}={v}" for k, v in entry["applied"].items()) or "nothing"
     why = "; ".join(f"{knob}: {reason}" for knob, reason in entry["why"].items())
-    head = f"gcpatch: rank {entry['rank']} {entry['model']}.{entry['api']} ({entry['source']}, {entry['stage']})"
+    head = (
+        f"gcpatch: rank {entry['rank']} {entry['model']}.{entry['api']} ({entry['source']},"
+        f" {entry['stage']})"
+    )
     return f"{head}: asked {ask} [{asked['from']}] -> applied {applied} | {why}"

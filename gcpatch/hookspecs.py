@@ -4,6 +4,7 @@ through the entry-point group `gcpatch.plugins` and implement these with `@hooki
 Config-time, enable-time and wrap-time decisions are one mechanism: a plugin patches the place
 where its framework decides, builds the call, and every rule answers `gcpatch_vote`.
 """
+
 from __future__ import annotations
 
 from typing import Any

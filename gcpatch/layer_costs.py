@@ -14,6 +14,7 @@ budget is there to avoid. Seconds are timed on a separate pass without the instr
 averaged over layers of one kind holding the same bytes (they run the same kernels; the first
 one also pays warm-up).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,14 +57,18 @@ class Held:
         self._torch = torch
         self._weak = StorageWeakRef
         self.layers = list(layers or [])
-        self.created: dict[int, tuple[Any, int, int]] = {}  # storage key -> (weak ref, bytes, layer index)
+        self.created: dict[
+            int, tuple[Any, int, int]
+        ] = {}  # storage key -> (weak ref, bytes, layer index)
         self.outputs: dict[int, set[int]] = {}  # layer index -> storage keys of its outputs
         self._stack = [OUTSIDE]
         self._handles: list[Any] = []
         held = self
 
         class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            def __torch_dispatch__(
+                self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+            ) -> Any:
                 out = func(*args, **(kwargs or {}))
                 held._note(args, kwargs, out)
                 return out
@@ -73,7 +78,9 @@ class Held:
     def __enter__(self) -> "Held":
         for index, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(self._enter_layer(index)))
-            self._handles.append(layer.register_forward_hook(self._leave_layer(index), always_call=True))
+            self._handles.append(
+                layer.register_forward_hook(self._leave_layer(index), always_call=True)
+            )
         self._mode.__enter__()
         return self
 
@@ -109,13 +116,17 @@ class Held:
     def _enter_layer(self, index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any) -> None:
             self._stack.append(index)
+
         return hook
 
     def _leave_layer(self, index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, output: Any) -> None:
             if self._stack[-1] == index:
                 self._stack.pop()
-            self.outputs.setdefault(index, set()).update(k for k in map(self._key, _tensors(self._torch, output)) if k)
+            self.outputs.setdefault(index, set()).update(
+                k for k in map(self._key, _tensors(self._torch, output)) if k
+            )
+
         return hook
 
     def _key(self, tensor: Any) -> int | None:
@@ -141,7 +152,9 @@ class Held:
                 continue
 
 
-def measure(model: Any, layers: list[Any], run: Callable[[int], Any], batch: int, kinds: list[str]) -> Measured:
+def measure(
+    model: Any, layers: list[Any], run: Callable[[int], Any], batch: int, kinds: list[str]
+) -> Measured:
     """`run(rows)` runs `model`'s forward on the first `rows` rows with every layer plain and
     returns its output; the caller owns RNG, flags and hooks (gcpatch/planner.py)."""
     start = time.perf_counter()
@@ -156,20 +169,34 @@ def measure(model: Any, layers: list[Any], run: Callable[[int], Any], batch: int
         graph = [t.grad_fn for t in _tensors(sys.modules["torch"], output) if t.grad_fn is not None]
         del output
         alive = held.alive()
-        points.append(([alive.get(i, 0) for i in range(len(layers))],
-                       [held.outputs_alive(i) for i in range(len(layers))], alive.get(OUTSIDE, 0)))
+        points.append(
+            (
+                [alive.get(i, 0) for i in range(len(layers))],
+                [held.outputs_alive(i) for i in range(len(layers))],
+                alive.get(OUTSIDE, 0),
+            )
+        )
         del graph, held
     seconds = _time_layers(layers, lambda: run(sizes[-1]), _sync(model))
     plain, ckpt, outside = _extrapolate(points, sizes, batch)
-    costs = [LayerCost(name=f"{i}", plain=p, checkpointed=min(c, p), seconds=s, kind=k)
-             for i, (p, c, s, k) in enumerate(zip(plain, ckpt, seconds, kinds))]
-    return Measured(layers=_averaged(costs), outside=outside, rows=sizes, batch=batch,
-                    seconds=time.perf_counter() - start)
+    costs = [
+        LayerCost(name=f"{i}", plain=p, checkpointed=min(c, p), seconds=s, kind=k)
+        for i, (p, c, s, k) in enumerate(zip(plain, ckpt, seconds, kinds))
+    ]
+    return Measured(
+        layers=_averaged(costs),
+        outside=outside,
+        rows=sizes,
+        batch=batch,
+        seconds=time.perf_counter() - start,
+    )
 
 
-def _extrapolate(points: list, sizes: list[int], batch: int) -> tuple[list[float], list[float], float]:
+def _extrapolate(
+    points: list, sizes: list[int], batch: int
+) -> tuple[list[float], list[float], float]:
     if len(points) == 1:
-        (plain, ckpt, outside), = points
+        ((plain, ckpt, outside),) = points
         return [float(v) for v in plain], [float(v) for v in ckpt], float(outside)
     (p1, c1, o1), (p2, c2, o2) = points
     scale = (batch - sizes[0]) / (sizes[1] - sizes[0])
@@ -185,11 +212,17 @@ def _averaged(costs: list[LayerCost]) -> list[LayerCost]:
     for cost in costs:
         groups.setdefault((cost.kind, cost.plain, cost.checkpointed), []).append(cost)
     mean = {key: sum(c.seconds for c in group) / len(group) for key, group in groups.items()}
-    return [LayerCost(c.name, c.plain, c.checkpointed, mean[(c.kind, c.plain, c.checkpointed)], c.kind) for c in costs]
+    return [
+        LayerCost(c.name, c.plain, c.checkpointed, mean[(c.kind, c.plain, c.checkpointed)], c.kind)
+        for c in costs
+    ]
 
 
-def _time_layers(layers: list[Any], forward: Callable[[], Any], sync: Callable[[], None]) -> list[float]:
-    """Each layer's forward seconds, from a pass without gradients (a recompute runs the same kernels)."""
+def _time_layers(
+    layers: list[Any], forward: Callable[[], Any], sync: Callable[[], None]
+) -> list[float]:
+    """Each layer's forward seconds, from a pass without gradients (a recompute runs the same
+    kernels)."""
     import torch
 
     spent = [0.0] * len(layers)
@@ -200,6 +233,7 @@ def _time_layers(layers: list[Any], forward: Callable[[], Any], sync: Callable[[
         def hook(module: Any, args: Any) -> None:
             sync()
             began[index] = time.perf_counter()
+
         return hook
 
     def leave(index: int) -> Callable[..., None]:
@@ -207,6 +241,7 @@ def _time_layers(layers: list[Any], forward: Callable[[], Any], sync: Callable[[
             sync()
             if index in began:
                 spent[index] += time.perf_counter() - began.pop(index)
+
         return hook
 
     try:
@@ -236,4 +271,3 @@ def held_bytes() -> Iterator[Held]:
     held = Held()
     with held:
         yield held
-

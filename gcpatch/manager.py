@@ -4,6 +4,7 @@ Loads plugins from the entry-point group, applies the block list (GCPATCH_DISABL
 checks each plugin's declared framework range before its patches exist, and isolates one
 plugin's failure from the others (a plugin error fails open).
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,7 +51,9 @@ class PluginStatus:
     info: PluginInfo | None = None
     framework_version: str | None = None
     patch_points: list[PatchPoint] = field(default_factory=list)
-    untested: bool = False  # inside the supported range, outside the range the version matrix proves
+    untested: bool = (
+        False  # inside the supported range, outside the range the version matrix proves
+    )
 
 
 class PluginHost:
@@ -63,16 +66,24 @@ class PluginHost:
         self._failed_votes: set[tuple[str, str, str]] = set()  # vote failures already warned about
 
     @classmethod
-    def from_entry_points(cls, blocked: frozenset[str] = frozenset(), strict: bool = False) -> PluginHost:
+    def from_entry_points(
+        cls, blocked: frozenset[str] = frozenset(), strict: bool = False
+    ) -> PluginHost:
         host = cls(strict=strict)
         found = _plugin_entry_points()
         unknown = sorted(blocked - {ep.name for ep in found})
         if unknown:
-            log.warning("gcpatch: GCPATCH_DISABLE_PLUGINS names no installed plugin: %s (installed: %s); "
-                        "nothing else is blocked", ", ".join(unknown), ", ".join(sorted(ep.name for ep in found)))
+            log.warning(
+                "gcpatch: GCPATCH_DISABLE_PLUGINS names no installed plugin: %s (installed: %s); "
+                "nothing else is blocked",
+                ", ".join(unknown),
+                ", ".join(sorted(ep.name for ep in found)),
+            )
         for ep in sorted(found, key=_builtin_first):
             if ep.name in blocked:
-                host.statuses.append(PluginStatus(ep.name, "blocked", "named in GCPATCH_DISABLE_PLUGINS"))
+                host.statuses.append(
+                    PluginStatus(ep.name, "blocked", "named in GCPATCH_DISABLE_PLUGINS")
+                )
                 continue
             try:
                 plugin = ep.load()
@@ -88,7 +99,9 @@ class PluginHost:
             self._pm.register(plugin, name=name)
             info = self._call_one(name, "gcpatch_plugin_info")
             if not isinstance(info, PluginInfo):
-                raise TypeError(f"gcpatch_plugin_info returned {type(info).__name__}, not PluginInfo")
+                raise TypeError(
+                    f"gcpatch_plugin_info returned {type(info).__name__}, not PluginInfo"
+                )
         except Exception as exc:  # noqa: BLE001
             self._unregister(name)
             return self._failed(name, "failed in gcpatch_plugin_info", exc)
@@ -100,7 +113,9 @@ class PluginHost:
             log.debug("gcpatch: plugin %s skipped: %s", name, status.why)
         elif not _in_range(installed, info.versions):
             status.state = "skipped"
-            status.why = f"{info.framework} {installed} is outside the supported range {info.versions}"
+            status.why = (
+                f"{info.framework} {installed} is outside the supported range {info.versions}"
+            )
             _say_once(logging.ERROR, f"gcpatch: plugin {name} skipped: {status.why}")
         elif info.proven and not _in_range(installed, info.proven):
             status.untested = True
@@ -111,8 +126,12 @@ class PluginHost:
             return status
         try:
             points = self._call_one(name, "gcpatch_patch_points") or []
-            if not isinstance(points, (list, tuple)) or not all(isinstance(p, PatchPoint) for p in points):
-                raise TypeError(f"gcpatch_patch_points returned {_describe(points)}, not a list of PatchPoint")
+            if not isinstance(points, (list, tuple)) or not all(
+                isinstance(p, PatchPoint) for p in points
+            ):
+                raise TypeError(
+                    f"gcpatch_patch_points returned {_describe(points)}, not a list of PatchPoint"
+                )
             status.patch_points = list(points)
         except Exception as exc:  # noqa: BLE001
             self._unregister(name)
@@ -147,7 +166,9 @@ class PluginHost:
                 if found is None:
                     continue
                 if not isinstance(found, Mapping) or not all(isinstance(k, str) for k in found):
-                    raise TypeError(f"gcpatch_facts returned {_describe(found)}, not a mapping of names")
+                    raise TypeError(
+                        f"gcpatch_facts returned {_describe(found)}, not a mapping of names"
+                    )
             except Exception as exc:
                 if self._strict:
                     raise PluginFailure(status.name, "gcpatch_facts", exc) from exc
@@ -155,8 +176,14 @@ class PluginHost:
                 continue
             for name, value in found.items():
                 if name in merged and merged[name] != value:
-                    log.warning("gcpatch: plugin %s gives fact %r=%r, already %r from another plugin; the first "
-                                "stands", status.name, name, value, merged[name])
+                    log.warning(
+                        "gcpatch: plugin %s gives fact %r=%r, already %r from another plugin; the"
+                        " first stands",
+                        status.name,
+                        name,
+                        value,
+                        merged[name],
+                    )
                     continue
                 merged[name] = value
         return replace(facts, framework_facts=merged) if merged != facts.framework_facts else facts
@@ -176,7 +203,11 @@ class PluginHost:
                     raise PluginFailure(status.name, hook, exc) from exc
                 self._dropped(status.name, hook, exc)
                 continue
-            declared = {rule.id for rule in status.info.rules if not rule.documents} if status.info else set()
+            declared = (
+                {rule.id for rule in status.info.rules if not rule.documents}
+                if status.info
+                else set()
+            )
             for vote in result:
                 if vote.rule not in declared:
                     self._undeclared(status.name, vote.rule)
@@ -188,15 +219,26 @@ class PluginHost:
         key = (name, hook, f"{type(exc).__name__}: {exc}")
         first = key not in self._failed_votes
         self._failed_votes.add(key)
-        log.log(logging.WARNING if first else logging.DEBUG,
-                "gcpatch: plugin %s dropped from this decision, its %s failed (%s: %s); "
-                "the other plugins' rules, the built-in ones included, still decide", name, hook, type(exc).__name__, exc)
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "gcpatch: plugin %s dropped from this decision, its %s failed (%s: %s); "
+            "the other plugins' rules, the built-in ones included, still decide",
+            name,
+            hook,
+            type(exc).__name__,
+            exc,
+        )
 
     def _undeclared(self, plugin: str, rule: str) -> None:
         """A vote whose rule is not in its plugin's table cannot be explained: it is dropped."""
-        text = f"plugin {plugin!r} voted with rule {rule!r}, which its rule table does not declare as a voting rule"
+        text = (
+            f"plugin {plugin!r} voted with rule {rule!r}, which its rule table does not declare as"
+            " a voting rule"
+        )
         if self._strict:
-            raise GcpatchError(text, rule=f"plugin:{plugin}", fix=f"declare {rule} in gcpatch_plugin_info's rules")
+            raise GcpatchError(
+                text, rule=f"plugin:{plugin}", fix=f"declare {rule} in gcpatch_plugin_info's rules"
+            )
         if (plugin, rule) not in self._reported:
             self._reported.add((plugin, rule))
             log.warning("gcpatch: %s; the vote is ignored", text)
@@ -215,8 +257,11 @@ class PluginHost:
         status = PluginStatus(name, "failed", f"{what}: {type(exc).__name__}: {exc}")
         self.statuses.append(status)
         if self._strict:
-            raise GcpatchError(f"plugin {name!r} {status.why}", rule=f"plugin:{name}",
-                               fix=f"fix the plugin or block it with GCPATCH_DISABLE_PLUGINS={name}") from exc
+            raise GcpatchError(
+                f"plugin {name!r} {status.why}",
+                rule=f"plugin:{name}",
+                fix=f"fix the plugin or block it with GCPATCH_DISABLE_PLUGINS={name}",
+            ) from exc
         log.error("gcpatch: plugin %s disabled, %s", name, status.why)
         return status
 
@@ -240,8 +285,13 @@ def builtin_infos() -> list[tuple[str, PluginInfo]]:
 
 
 # The knobs whose value is a switch: a string "False" there would be read as True.
-_VALUE_TYPES = {USE_REENTRANT: bool, INPUT_GRADS_HOOK: bool, USE_CACHE_OFF: bool, EVAL_MODE_FIX: bool,
-                LIFT_BOUND_TENSORS: bool}
+_VALUE_TYPES = {
+    USE_REENTRANT: bool,
+    INPUT_GRADS_HOOK: bool,
+    USE_CACHE_OFF: bool,
+    EVAL_MODE_FIX: bool,
+    LIFT_BOUND_TENSORS: bool,
+}
 
 
 def _describe(value: object) -> str:
@@ -263,14 +313,23 @@ def _checked_votes(result: object) -> list[Vote]:
         if vote.knob not in KNOBS:
             raise ValueError(f"voted on an unknown knob {vote.knob!r} (known: {', '.join(KNOBS)})")
         if vote.strength not in STRENGTH_ORDER or vote.strength == USER:
-            raise ValueError(f"voted with strength {vote.strength!r} (a plugin's votes are required, "
-                             "recommended or default; 'user' is the user's own ask)")
-        if not isinstance(vote.value, _VALUE_TYPES.get(vote.knob, (bool, int, float, str, type(None)))):
-            raise TypeError(f"voted {vote.knob}={vote.value!r}, a {type(vote.value).__name__}, not a bool")
+            raise ValueError(
+                f"voted with strength {vote.strength!r} (a plugin's votes are required, "
+                "recommended or default; 'user' is the user's own ask)"
+            )
+        if not isinstance(
+            vote.value, _VALUE_TYPES.get(vote.knob, (bool, int, float, str, type(None)))
+        ):
+            raise TypeError(
+                f"voted {vote.knob}={vote.value!r}, a {type(vote.value).__name__}, not a bool"
+            )
         if not isinstance(vote.rule, str) or not vote.rule or not isinstance(vote.reason, str):
             raise TypeError(f"returned a vote without a rule id or reason ({vote.rule!r})")
         if vote.avoids not in FAILURE_ORDER:
-            raise ValueError(f"vote {vote.rule} avoids {vote.avoids!r} (known: {', '.join(k for k in FAILURE_ORDER if k)})")
+            raise ValueError(
+                f"vote {vote.rule} avoids {vote.avoids!r} (known:"
+                f" {', '.join(k for k in FAILURE_ORDER if k)})"
+            )
     return list(result)
 
 
@@ -298,11 +357,21 @@ def _plugin_entry_points() -> list[metadata.EntryPoint]:
             continue
         seen.add(name)
         found.extend(ep for ep in dist.entry_points if ep.group == hookspecs.ENTRY_POINT_GROUP)
-    local = sorted({f"{ep.name} ({_dist_name(dist)})" for dist in metadata.distributions(path=skipped)
-                    for ep in dist.entry_points if ep.group == hookspecs.ENTRY_POINT_GROUP})
+    local = sorted(
+        {
+            f"{ep.name} ({_dist_name(dist)})"
+            for dist in metadata.distributions(path=skipped)
+            for ep in dist.entry_points
+            if ep.group == hookspecs.ENTRY_POINT_GROUP
+        }
+    )
     if local:
-        log.warning("gcpatch: plugins found next to the script in %s not loaded: %s; install them, or set "
-                    "GCPATCH_LOCAL_PLUGINS=1 to load plugins from there", implicit, ", ".join(local))
+        log.warning(
+            "gcpatch: plugins found next to the script in %s not loaded: %s; install them, or set "
+            "GCPATCH_LOCAL_PLUGINS=1 to load plugins from there",
+            implicit,
+            ", ".join(local),
+        )
     return found
 
 
@@ -320,7 +389,9 @@ def _implicit_path_entry() -> str:
 def _same_dir(entry: str, directory: str) -> bool:
     try:
         real = os.path.realpath(entry or os.curdir)
-        return real == os.path.realpath(directory) and real not in {os.path.realpath(d) for d in _site_dirs()}
+        return real == os.path.realpath(directory) and real not in {
+            os.path.realpath(d) for d in _site_dirs()
+        }
     except (OSError, ValueError):
         return False
 
@@ -373,8 +444,12 @@ def _say_once(level: int, text: str) -> None:
 
 def _say_untested(framework: str, version: str, proven: str) -> None:
     """The plugin runs, but no matrix cell proves this release."""
-    _say_once(logging.WARNING, f"gcpatch: untested {framework} {version} (the version matrix proves {proven}); "
-              f"gcpatch keeps working where it can and falls back to {framework}'s own behaviour where it cannot")
+    _say_once(
+        logging.WARNING,
+        f"gcpatch: untested {framework} {version} (the version matrix proves {proven}); gcpatch"
+        f" keeps working where it can and falls back to {framework}'s own behaviour where it"
+        " cannot",
+    )
 
 
 def _in_range(version: str, spec: str) -> bool:

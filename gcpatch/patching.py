@@ -3,6 +3,7 @@
 wrapt's post-import hooks fire when a module is imported, or at once if it already is, so the
 order of `import gcpatch` and `import transformers` does not matter.
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,8 +35,12 @@ class Installed:
     wrapper: Any
     inherited: bool
     copies: list[_Binding]
-    replaced: list[tuple[Any, str, Any, Any]] = field(default_factory=list)  # (owner, name, theirs, our wrapper)
-    deferred: _Deferred | None = None  # armed by name: what the wrapper calls, bound when the plugin loads
+    replaced: list[tuple[Any, str, Any, Any]] = field(
+        default_factory=list
+    )  # (owner, name, theirs, our wrapper)
+    deferred: _Deferred | None = (
+        None  # armed by name: what the wrapper calls, bound when the plugin loads
+    )
 
 
 class Patcher:
@@ -46,8 +51,12 @@ class Patcher:
     asks `on_first_call` to load the plugins, which register their points and so bind it. `settle`
     puts back what no loaded plugin claimed."""
 
-    def __init__(self, strict: bool = False, on_first_call: Callable[[], Any] | None = None,
-                 traced: frozenset[tuple[str, str]] = frozenset()) -> None:
+    def __init__(
+        self,
+        strict: bool = False,
+        on_first_call: Callable[[], Any] | None = None,
+        traced: frozenset[tuple[str, str]] = frozenset(),
+    ) -> None:
         self.installed: dict[tuple[str, str], Installed] = {}
         self.not_applicable: dict[tuple[str, str], str] = {}
         self._registered: set[tuple[str, str]] = set()
@@ -59,8 +68,15 @@ class Patcher:
         self._on_first_call = on_first_call
         self._traced = traced  # points torch.compile traces through: wrapped by a plain function
 
-    def arm(self, module: str, target: str, plugin: str, copies: bool = False,
-            applies: Callable[[Any], bool] | None = None, wakes: bool = True) -> None:
+    def arm(
+        self,
+        module: str,
+        target: str,
+        plugin: str,
+        copies: bool = False,
+        applies: Callable[[Any], bool] | None = None,
+        wakes: bool = True,
+    ) -> None:
         """Wrap `module.target` when `module` is imported, before its plugin is loaded. A call
         through it loads the plugins, unless `wakes` is False: such a point acts only on what a
         decision left, and runs as called until something else loaded them. `applies` is the
@@ -69,9 +85,15 @@ class Patcher:
         if key in self._armed or key in self._registered:
             return
         self._armed.add(key)
-        imported = module in sys.modules  # else the hook runs as it loads: nothing else holds it yet
+        imported = (
+            module in sys.modules
+        )  # else the hook runs as it loads: nothing else holds it yet
         wrapt.register_post_import_hook(
-            lambda loaded: self._install_armed(loaded, key, plugin, copies, applies, wakes, imported), module)
+            lambda loaded: self._install_armed(
+                loaded, key, plugin, copies, applies, wakes, imported
+            ),
+            module,
+        )
 
     def register(self, point: PatchPoint, plugin: str) -> None:
         """Install `point` when its module is imported (now, if it already is); a point armed by
@@ -86,8 +108,9 @@ class Patcher:
             self._bind(key, item, point, plugin)
         elif key not in self._armed:
             imported = point.module in sys.modules
-            wrapt.register_post_import_hook(lambda module: self._install(module, point, plugin, imported),
-                                            point.module)
+            wrapt.register_post_import_hook(
+                lambda module: self._install(module, point, plugin, imported), point.module
+            )
 
     def settle(self) -> None:
         """The plugins are loaded: every armed point no active plugin registered (blocked, out
@@ -116,14 +139,32 @@ class Patcher:
             wrapper = self._wrap(key, original, guard)
             setattr(owner, attr, wrapper)
             copies = _copies(module, original, wrapper, imported) if point.copies else []
-            self.installed[key] = Installed(point, plugin, owner, attr, original, wrapper, inherited, copies)
+            self.installed[key] = Installed(
+                point, plugin, owner, attr, original, wrapper, inherited, copies
+            )
         except Exception as exc:
             if self._strict:
-                raise GcpatchError(f"could not patch {point.module}.{point.target}: {exc}", rule=f"plugin:{plugin}") from exc
-            log.error("gcpatch: %s.%s left unpatched (%s: %s)", point.module, point.target, type(exc).__name__, exc)
+                raise GcpatchError(
+                    f"could not patch {point.module}.{point.target}: {exc}", rule=f"plugin:{plugin}"
+                ) from exc
+            log.error(
+                "gcpatch: %s.%s left unpatched (%s: %s)",
+                point.module,
+                point.target,
+                type(exc).__name__,
+                exc,
+            )
 
-    def _install_armed(self, module: Any, key: tuple[str, str], plugin: str, copies: bool,
-                       applies: Callable[[Any], bool] | None, wakes: bool, imported: bool = True) -> None:
+    def _install_armed(
+        self,
+        module: Any,
+        key: tuple[str, str],
+        plugin: str,
+        copies: bool,
+        applies: Callable[[Any], bool] | None,
+        wakes: bool,
+        imported: bool = True,
+    ) -> None:
         if key in self._points:
             point, plugin = self._points[key]
             self._install(module, point, plugin, imported)
@@ -143,12 +184,25 @@ class Patcher:
             wrapper = self._wrap(key, original, deferred)
             setattr(owner, attr, wrapper)
             bindings = _copies(module, original, wrapper, imported) if copies else []
-            self.installed[key] = Installed(_ArmedPoint(key[0], key[1], copies), plugin, owner, attr, original,
-                                            wrapper, inherited, bindings, deferred=deferred)
+            self.installed[key] = Installed(
+                _ArmedPoint(key[0], key[1], copies),
+                plugin,
+                owner,
+                attr,
+                original,
+                wrapper,
+                inherited,
+                bindings,
+                deferred=deferred,
+            )
         except Exception as exc:
             if self._strict:
-                raise GcpatchError(f"could not patch {key[0]}.{key[1]}: {exc}", rule=f"plugin:{plugin}") from exc
-            log.error("gcpatch: %s.%s left unpatched (%s: %s)", key[0], key[1], type(exc).__name__, exc)
+                raise GcpatchError(
+                    f"could not patch {key[0]}.{key[1]}: {exc}", rule=f"plugin:{plugin}"
+                ) from exc
+            log.error(
+                "gcpatch: %s.%s left unpatched (%s: %s)", key[0], key[1], type(exc).__name__, exc
+            )
 
     def _bind(self, key: tuple[str, str], item: Installed, point: PatchPoint, plugin: str) -> None:
         deferred = item.deferred
@@ -156,8 +210,16 @@ class Patcher:
             applies = point.applies(sys.modules[point.module])
         except Exception as exc:
             if self._strict:
-                raise GcpatchError(f"could not patch {point.module}.{point.target}: {exc}", rule=f"plugin:{plugin}") from exc
-            log.error("gcpatch: %s.%s left unpatched (%s: %s)", point.module, point.target, type(exc).__name__, exc)
+                raise GcpatchError(
+                    f"could not patch {point.module}.{point.target}: {exc}", rule=f"plugin:{plugin}"
+                ) from exc
+            log.error(
+                "gcpatch: %s.%s left unpatched (%s: %s)",
+                point.module,
+                point.target,
+                type(exc).__name__,
+                exc,
+            )
             applies = False
         if not applies:
             self.not_applicable[key] = "not in this version"
@@ -178,9 +240,15 @@ class Patcher:
                 raise
             except Exception as exc:
                 if self._strict:
-                    raise GcpatchError(f"gcpatch's plugins could not be loaded: {type(exc).__name__}: {exc}",
-                                       rule="gcpatch:engine") from exc
-                log.error("gcpatch: plugins not loaded, frameworks run unpatched (%s: %s)", type(exc).__name__, exc)
+                    raise GcpatchError(
+                        f"gcpatch's plugins could not be loaded: {type(exc).__name__}: {exc}",
+                        rule="gcpatch:engine",
+                    ) from exc
+                log.error(
+                    "gcpatch: plugins not loaded, frameworks run unpatched (%s: %s)",
+                    type(exc).__name__,
+                    exc,
+                )
                 self.uninstall_all()
         # None while the plugins are still loading (a call made by the loading itself): as called
         return deferred.call or _passthrough
@@ -192,19 +260,29 @@ class Patcher:
         returns what was found this time."""
         found = []
         for key, item in list(self.installed.items()):
-            places = [(item.owner, item.attr)] + [(b.owner, b.name) for b in item.copies if b.index is None]
+            places = [(item.owner, item.attr)] + [
+                (b.owner, b.name) for b in item.copies if b.index is None
+            ]
             for owner, name in places:
                 current = vars(owner).get(name)
-                if current is None or getattr(current, "_self_gcpatch", False) or _runs(current, item.wrapper):
+                if (
+                    current is None
+                    or getattr(current, "_self_gcpatch", False)
+                    or _runs(current, item.wrapper)
+                ):
                     continue
                 wrapper = self._wrap(key, current, item.wrapper._self_wrapper)
                 setattr(owner, name, wrapper)
                 item.replaced.append((owner, name, current, wrapper))
-                for copy in _replace_copies(current, wrapper) if item.point.copies else ():  # its re-exports
-                    item.replaced.append((copy.owner, copy.name, current, wrapper))
+                # its re-exports
+                aliases = _replace_copies(current, wrapper) if item.point.copies else ()
+                for alias in aliases:
+                    item.replaced.append((alias.owner, alias.name, current, wrapper))
                 where = getattr(owner, "__name__", repr(owner))
-                text = (f"{where}.{name} was rebound by another tool to {_describe(current)}; gcpatch now wraps "
-                        f"the replacement ({item.point.why or item.point.target})")
+                text = (
+                    f"{where}.{name} was rebound by another tool to {_describe(current)}; gcpatch"
+                    f" now wraps the replacement ({item.point.why or item.point.target})"
+                )
                 found.append(text)
                 log.warning("gcpatch: %s", text)
         return found
@@ -268,7 +346,9 @@ def _passthrough(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return wrapped(*args, **kwargs)
 
 
-def _function_wrapper(original: Callable[..., Any], guard: Callable[..., Any]) -> Callable[..., Any]:
+def _function_wrapper(
+    original: Callable[..., Any], guard: Callable[..., Any]
+) -> Callable[..., Any]:
     """A plain function standing for `original` (wrapt's wrapper protocol inside). torch.compile
     inlines a Python function, where a wrapt proxy is opaque to it: a graph break at every call
     (each checkpointed layer). A function copies as itself and pickles by its qualified name."""
@@ -276,7 +356,9 @@ def _function_wrapper(original: Callable[..., Any], guard: Callable[..., Any]) -
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return guard(original, None, args, kwargs)
 
-    functools.update_wrapper(wrapper, original)  # name, module, qualname, doc, attributes, __wrapped__
+    functools.update_wrapper(
+        wrapper, original
+    )  # name, module, qualname, doc, attributes, __wrapped__
     wrapper._self_gcpatch = True
     wrapper._self_wrapper = guard
     return wrapper
@@ -289,11 +371,16 @@ FUNCTION_WRAPPER_CODE = _function_wrapper(len, _passthrough).__code__
 
 def _runs(current: Any, wrapper: Any) -> bool:
     """`current` is gcpatch's wrapper, or a function that wraps it (functools.wraps' `__wrapped__`,
-    as gcpatch's own crash notes do around torch.autograd.backward): gcpatch still runs inside it."""
+    as gcpatch's own crash notes do around torch.autograd.backward): gcpatch still runs inside it.
+    """
     for _ in range(8):
         if current is wrapper:
             return True
-        current = getattr(current, "__wrapped__", None) if not getattr(current, "_self_gcpatch", False) else None
+        current = (
+            getattr(current, "__wrapped__", None)
+            if not getattr(current, "_self_gcpatch", False)
+            else None
+        )
         if current is None:
             return False
     return False
@@ -303,7 +390,8 @@ class _GcpatchWrapper(wrapt.FunctionWrapper):
     """A patched function that copies and pickles as the function it stands for: a model holding
     `partial(checkpoint, ...)` deep-copies (TRL's reference model, EMA and teacher copies) and
     pickles exactly as it would without gcpatch. A function is its own copy; a pickle names the
-    original's qualified name, so it loads as whatever stands there (the original without gcpatch)."""
+    original's qualified name, so it loads as whatever stands there (the original without gcpatch).
+    """
 
     _self_gcpatch = True
 
@@ -346,7 +434,9 @@ def _copies(module: Any, original: Any, wrapper: Any, imported: bool) -> list[_B
     return _replace_copies(original, wrapper, None if imported else [module])
 
 
-def _replace_copies(original: Any, wrapper: Any, modules: list[Any] | None = None) -> list[_Binding]:
+def _replace_copies(
+    original: Any, wrapper: Any, modules: list[Any] | None = None
+) -> list[_Binding]:
     """Point every module-level name bound to `original` at `wrapper` (P3: modules imported
     before the patch hold their own reference), every module-level `functools.partial` of it (a
     project's `ckpt = partial(checkpoint, use_reentrant=True)` built before `import gcpatch`) at a
@@ -358,8 +448,11 @@ def _replace_copies(original: Any, wrapper: Any, modules: list[Any] | None = Non
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
-        names = [name for name, value in list(namespace.items())
-                 if value is original or (type(value) is functools.partial and value.func is original)]
+        names = [
+            name
+            for name, value in list(namespace.items())
+            if value is original or (type(value) is functools.partial and value.func is original)
+        ]
         if not names:
             continue
         for name in names:
@@ -379,7 +472,9 @@ class _Binding:
     """One place that held the original: a module attribute (or a partial of it there), or a
     function's default argument."""
 
-    def __init__(self, owner: Any, name: str, index: int | None = None, previous: tuple | None = None) -> None:
+    def __init__(
+        self, owner: Any, name: str, index: int | None = None, previous: tuple | None = None
+    ) -> None:
         self.owner, self.name, self.index, self.previous = owner, name, index, previous
 
     def restore(self, original: Any, wrapper: Any) -> None:
@@ -408,7 +503,11 @@ def _replace_defaults(module: Any, original: Any, wrapper: Any) -> list[_Binding
         defaults = function.__defaults__
         if defaults and any(d is original for d in defaults):
             function.__defaults__ = tuple(wrapper if d is original else d for d in defaults)
-            replaced.extend(_Binding(function, "__defaults__", i) for i, d in enumerate(defaults) if d is original)
+            replaced.extend(
+                _Binding(function, "__defaults__", i)
+                for i, d in enumerate(defaults)
+                if d is original
+            )
         kwdefaults = function.__kwdefaults__
         if kwdefaults:
             for i, (key, value) in enumerate(list(kwdefaults.items())):
@@ -436,7 +535,8 @@ def _functions_of(module: Any) -> list[Any]:
 def _describe(obj: Any) -> str:
     code = getattr(obj, "__code__", None)
     where = f" from {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}{where}"
+    name = getattr(obj, "__qualname__", type(obj).__name__)
+    return f"{getattr(obj, '__module__', '?')}.{name}{where}"
 
 
 def _resolve(module: Any, target: str) -> tuple[Any, str]:
@@ -463,7 +563,9 @@ class _Original:
 
 
 def _fail_open(point: PatchPoint, plugin: str, strict: bool):  # noqa: ANN202
-    reported: list[bool] = []  # one ERROR line per patch point; later failures at DEBUG (a hot path)
+    reported: list[
+        bool
+    ] = []  # one ERROR line per patch point; later failures at DEBUG (a hot path)
 
     def wrapper(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202 (wrapt's protocol)
         original = _Original(wrapped, user_frame())
@@ -475,13 +577,21 @@ def _fail_open(point: PatchPoint, plugin: str, strict: bool):  # noqa: ANN202
             if original.called:
                 raise
             if strict:
-                raise GcpatchError(f"{point.target} failed inside gcpatch: {type(exc).__name__}: {exc}",
-                                   rule=f"plugin:{plugin}") from exc
+                raise GcpatchError(
+                    f"{point.target} failed inside gcpatch: {type(exc).__name__}: {exc}",
+                    rule=f"plugin:{plugin}",
+                ) from exc
             first = not reported
             reported[:] = [True]
-            log.log(logging.ERROR if first else logging.DEBUG, "gcpatch: plugin %s failed in %s, running it unpatched "
-                    "(%s: %s)%s", plugin, point.target, type(exc).__name__, exc,
-                    "; later failures here are logged at DEBUG only" if first else "")
+            log.log(
+                logging.ERROR if first else logging.DEBUG,
+                "gcpatch: plugin %s failed in %s, running it unpatched (%s: %s)%s",
+                plugin,
+                point.target,
+                type(exc).__name__,
+                exc,
+                "; later failures here are logged at DEBUG only" if first else "",
+            )
             return wrapped(*args, **kwargs)
 
     return wrapper

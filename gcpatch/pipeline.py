@@ -6,6 +6,7 @@ wrapped after checkpointing was enabled (PEFT, DDP): config-time, enable-time, w
 disable decisions are this one path. Anything that fails inside gcpatch runs the call as the
 user made it and logs one line; strict mode raises a GcpatchError instead.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,14 +37,23 @@ def run_enable(call: EnableCall) -> Any:
 
 def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings.Settings) -> Any:
     try:
-        facts = _with_framework_facts(facts_mod.gather(
-            call.model, stage=Stage.ENABLE, api=call.api, source=ctx.source, asked_kwargs=ctx.asked,
-            asked_from=ctx.asked_from, context=ctx.model.wrapped, trainer=ctx.trainer))
+        facts = _with_framework_facts(
+            facts_mod.gather(
+                call.model,
+                stage=Stage.ENABLE,
+                api=call.api,
+                source=ctx.source,
+                asked_kwargs=ctx.asked,
+                asked_from=ctx.asked_from,
+                context=ctx.model.wrapped,
+                trainer=ctx.trainer,
+            )
+        )
         votes = resolve.stance_votes(facts) + engine.host().votes(facts) + ctx.model.evidence
         decision = resolve.resolve(votes, cfg.mode)
     except GcpatchError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (fail open: the framework's enable as asked)
         _failed_open(Stage.ENABLE, exc, cfg)
         return call.invoke(call.asked_kwargs)
     apply.reset(call.model)
@@ -51,19 +61,23 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
         result = call.invoke(ctx.chosen(decision.values[USE_REENTRANT]))
     try:
         applied = apply.apply(call.model, decision, run_first_forward)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (fail open: undone, enabled again as asked)
         apply.remove_all(call.model)
         _failed_open("apply", exc, cfg)
         # The framework's enable already ran with the decided kwargs: run it again as the user
         # asked, so the model is left exactly as it would be without gcpatch.
         return call.invoke(call.asked_kwargs)
-    checkpoint_call.cover(call.model, decision)  # its layers' checkpoint calls stand on this decision (CK4)
+    checkpoint_call.cover(
+        call.model, decision
+    )  # its layers' checkpoint calls stand on this decision (CK4)
     # verify's own correction says it in its one line (verify.py); the decision stays in the record
     quiet = _same_as_last(ctx, facts, decision) or ctx.asker.redecided_by == "verify"
     entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=quiet)
     ctx.commit(entry)
     if cfg.memory_budget is not None:
-        from gcpatch import planner  # only with GCPATCH_MEMORY_BUDGET set: its plan runs before verify looks
+        from gcpatch import (
+            planner,
+        )  # only with GCPATCH_MEMORY_BUDGET set: its plan runs before verify looks
 
         planner.arm(call.model, cfg.memory_budget)
     if cfg.verify:
@@ -92,11 +106,13 @@ def run_config(facts: Any, write: Callable[[Any], dict[str, Any]]) -> Any:
     cfg = settings.read()
     try:
         facts = _with_framework_facts(facts)
-        decision = resolve.resolve(resolve.stance_votes(facts) + engine.host().votes(facts), cfg.mode)
+        decision = resolve.resolve(
+            resolve.stance_votes(facts) + engine.host().votes(facts), cfg.mode
+        )
         applied = write(decision)
     except GcpatchError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (fail open: the config is left as it was)
         _failed_open(Stage.CONFIG, exc, cfg)
         return None
     record.decision(facts, decision, applied, cfg.record_dir)
@@ -132,19 +148,38 @@ def correct(model: Any, report: verify.Report, attempt: int) -> str:
     if attempt == 1:
         if not (_decided_reentrant(known) and report.wrong):
             return ""
-        known.evidence = [Vote(USE_REENTRANT, False, REQUIRED, "VERIFY",
-                               f"the first training step, verified: {'; '.join(report.problems())}",
-                               plugin="core", avoids=WRONG_GRADIENTS, short="verify found wrong gradients")]
+        known.evidence = [
+            Vote(
+                USE_REENTRANT,
+                False,
+                REQUIRED,
+                "VERIFY",
+                f"the first training step, verified: {'; '.join(report.problems())}",
+                plugin="core",
+                avoids=WRONG_GRADIENTS,
+                short="verify found wrong gradients",
+            )
+        ]
         redecide(model, "verify")
         return "" if _decided_reentrant(known) else "use_reentrant True -> False"
-    layers = [m for m in facts_mod.checkpoint_layers(model) if getattr(m, "gradient_checkpointing", False) is True]
+    layers = [
+        m
+        for m in facts_mod.checkpoint_layers(model)
+        if getattr(m, "gradient_checkpointing", False) is True
+    ]
     names = {id(m): n for n, m in model.named_modules()}
     twice = {name for name, runs in report.blocks.items() if runs["backward"] > 1}
-    offending = [m for m in layers if names.get(id(m)) in twice
-                 or any(w.startswith(f"{names.get(id(m))}.") for w in report.wrong)] or layers
+    offending = [
+        m
+        for m in layers
+        if names.get(id(m)) in twice
+        or any(w.startswith(f"{names.get(id(m))}.") for w in report.wrong)
+    ] or layers
     for layer in offending:
         layer.gradient_checkpointing = False
-    shown = ", ".join(names.get(id(m), "?") for m in offending[:4]) + (" ..." if len(offending) > 4 else "")
+    shown = ", ".join(names.get(id(m), "?") for m in offending[:4]) + (
+        " ..." if len(offending) > 4 else ""
+    )
     return f"checkpointing off for {len(offending)} of {len(layers)} checkpointed blocks ({shown})"
 
 
@@ -164,10 +199,18 @@ def _decide_first_forward(model: Any) -> None:
     known = context.of(model)
     last = known.last or {}
     try:
-        facts = _with_framework_facts(facts_mod.gather(
-            model, stage=Stage.FIRST_FORWARD, api=last.get("api", "?"), source=last.get("source", "call"),
-            asked_kwargs=known.ask, asked_from=known.ask_from or "nothing", context=known.wrapped,
-            trainer=known.trainer))
+        facts = _with_framework_facts(
+            facts_mod.gather(
+                model,
+                stage=Stage.FIRST_FORWARD,
+                api=last.get("api", "?"),
+                source=last.get("source", "call"),
+                asked_kwargs=known.ask,
+                asked_from=known.ask_from or "nothing",
+                context=known.wrapped,
+                trainer=known.trainer,
+            )
+        )
         decision = resolve.resolve(engine.host().votes(facts), cfg.mode)
         if not decision.winners and not decision.warnings:
             return
@@ -177,11 +220,13 @@ def _decide_first_forward(model: Any) -> None:
             applied[EVAL_MODE_FIX] = fixed
             if not fixed:
                 vote = decision.winners[EVAL_MODE_FIX]
-                decision.warnings.append(vote.unmet or f"{vote.rule}: could not be applied to this model")
+                decision.warnings.append(
+                    vote.unmet or f"{vote.rule}: could not be applied to this model"
+                )
         record.decision(facts, decision, applied, cfg.record_dir)
     except GcpatchError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (fail open: the model as the framework left it)
         apply.reset(model)
         _failed_open(Stage.FIRST_FORWARD, exc, cfg)
 
@@ -193,20 +238,29 @@ def _with_framework_facts(facts: Any) -> Any:
 
 
 def _checkpointing_on(model: Any) -> bool:
-    return any(getattr(m, "gradient_checkpointing", False) for m in facts_mod.checkpoint_layers(model))
+    return any(
+        getattr(m, "gradient_checkpointing", False) for m in facts_mod.checkpoint_layers(model)
+    )
 
 
 def _same_as_last(ctx: context.DecisionContext, facts: Any, decision: Any) -> bool:
     last = ctx.model.last
-    return (bool(last) and last["decision"]["values"] == decision.values
-            and last["decision"]["rules"] == decision.rules and last["asked"]["from"] == facts.asked_from)
+    return (
+        bool(last)
+        and last["decision"]["values"] == decision.values
+        and last["decision"]["rules"] == decision.rules
+        and last["asked"]["from"] == facts.asked_from
+    )
 
 
 def _failed_open(stage: str, exc: BaseException, cfg: settings.Settings) -> None:
     text = str(exc) if isinstance(exc, PluginFailure) else f"{type(exc).__name__}: {exc}"
     if cfg.strict:
         rule = f"plugin:{exc.plugin}" if isinstance(exc, PluginFailure) else f"gcpatch:{stage}"
-        raise GcpatchError(f"gcpatch failed in {stage}: {text}", rule=rule,
-                           fix="report it, or set GCPATCH_MODE=fix to fall back to the framework's behaviour") from exc
+        raise GcpatchError(
+            f"gcpatch failed in {stage}: {text}",
+            rule=rule,
+            fix="report it, or set GCPATCH_MODE=fix to fall back to the framework's behaviour",
+        ) from exc
     log.error("gcpatch: %s failed, the framework's own behaviour is kept (%s)", stage, text)
     record.failure(stage, text, cfg.record_dir)

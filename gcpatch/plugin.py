@@ -17,7 +17,8 @@ its disable to `run_disable`, a config decided before any model exists to `run_c
 from `for_config`), and a wrap after the enable to `redecide` / `redecide_within`.
 
 The words a vote uses: the knobs USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX,
-RUN_INLINE, LIFT_BOUND_TENSORS (a checkpoint call's bound graph tensors passed as its inputs); the strengths REQUIRED (a correctness fix) and RECOMMENDED (a default the user's ask
+RUN_INLINE, LIFT_BOUND_TENSORS (a checkpoint call's bound graph tensors passed as its inputs); the
+strengths REQUIRED (a correctness fix) and RECOMMENDED (a default the user's ask
 overrides); what a required vote avoids, WRONG_GRADIENTS, CRASH, NO_MEMORY_SAVED (a conflict goes
 to the worse failure). ZERO3_NONREENTRANT_RECOMPUTE is the framework fact the deepspeed plugin
 publishes (True: this DeepSpeed recomputes ZeRO-3 frozen parameters under non-reentrant
@@ -26,6 +27,7 @@ checkpointing) for other plugins' rules to read.
 `BUILTIN_ONLY` names the internals built-in plugins still reach where this API cannot serve
 them; they are not part of it and may change in any release.
 """
+
 from __future__ import annotations
 
 from gcpatch.context import EnableCall, asking
@@ -93,7 +95,9 @@ __all__ = [
 # The internals built-in plugins import beyond this API, and why the API does not carry them
 # (tests/test_plugin_api.py holds every module under plugins/ to this list).
 BUILTIN_ONLY = {
-    "gcpatch.apply": "transformers: its input-grads hooks re-applied after an upstream rebuild (R2)",
+    "gcpatch.apply": (
+        "transformers: its input-grads hooks re-applied after an upstream rebuild (R2)"
+    ),
     "gcpatch.context": "transformers: the Trainer whose train() is running (X3)",
     "gcpatch.checkpoint_call": "torch: the checkpoint-call decision itself (CK1-CK5)",
     "gcpatch.reentrant_grads": "torch: gradients asked for through reentrant checkpoints (CK6)",

@@ -7,6 +7,7 @@ LOCAL_RANK (one node: the same number), else 0. The local rank reads LOCAL_RANK 
 for records and for choosing who speaks, never a decision input (a decision that differs between
 ranks deadlocks DDP).
 """
+
 from __future__ import annotations
 
 import logging
@@ -79,5 +80,7 @@ def _initialized() -> Any:
         if dist is not None and dist.is_available() and dist.is_initialized():
             return dist
     except Exception as exc:  # noqa: BLE001
-        log.debug("gcpatch: cannot tell whether a process group exists (%s: %s)", type(exc).__name__, exc)
+        log.debug(
+            "gcpatch: cannot tell whether a process group exists (%s: %s)", type(exc).__name__, exc
+        )
     return None

@@ -1,6 +1,7 @@
 """Recording decisions: one short line each on the `gcpatch` logger, said once per job
 (gcpatch/console.py; the details at DEBUG), a JSONL file per rank when GCPATCH_RECORD names a
 directory, and an in-process history for `gcpatch.decisions()`."""
+
 from __future__ import annotations
 
 import errno
@@ -40,7 +41,11 @@ def history() -> list[dict[str, Any]]:
 
 
 def decision(
-    facts: Facts, outcome: Decision, applied: dict[str, Any], record_dir: str | None, quiet: bool = False
+    facts: Facts,
+    outcome: Decision,
+    applied: dict[str, Any],
+    record_dir: str | None,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Record one decision. `quiet` (the same decision again, e.g. trl#480's double enable)
     logs at DEBUG instead of INFO; the JSONL record is written either way."""
@@ -57,14 +62,20 @@ def decision(
         "applied": applied,
         "rules": applied_rules(outcome, applied),
         # Only the knobs that took effect: a vote for a hook that reentrant did not need is noise.
-        "why": {knob: f"{v.rule}: {v.reason}" for knob, v in outcome.winners.items() if knob in applied},
+        "why": {
+            knob: f"{v.rule}: {v.reason}" for knob, v in outcome.winners.items() if knob in applied
+        },
         "decision": outcome.to_dict(),
         "facts": facts.to_dict(),
     }
     _history.append(entry)
-    console.say(summary(entry), headline.detail(entry),
-                f"{facts.model_class}.{facts.api}/{facts.stage}/{facts.source}", quiet=quiet,
-                gist=summary({**entry, "source": "call"}))
+    console.say(
+        summary(entry),
+        headline.detail(entry),
+        f"{facts.model_class}.{facts.api}/{facts.stage}/{facts.source}",
+        quiet=quiet,
+        gist=summary({**entry, "source": "call"}),
+    )
     for text in outcome.warnings + outcome.conflicts:
         log.debug("gcpatch: warning: %s", text)
     for text in headline.warnings(entry):
@@ -85,8 +96,10 @@ def call_site(
         "rank": rank(),
         "stage": "call",
         "site": site,
-        "asked": {"use_reentrant": facts.asked_use_reentrant,
-                  "from": "the call" if facts.asked_use_reentrant is not None else "torch's default"},
+        "asked": {
+            "use_reentrant": facts.asked_use_reentrant,
+            "from": "the call" if facts.asked_use_reentrant is not None else "torch's default",
+        },
         "applied": applied,
         "rules": [v.rule for k, v in outcome.winners.items() if k in applied],
         "why": {k: f"{v.rule}: {v.reason}" for k, v in outcome.winners.items() if k in applied},
@@ -104,21 +117,36 @@ def call_site(
     return entry
 
 
-def disable(model: str, api: str, restored: dict[str, str], record_dir: str | None) -> dict[str, Any]:
+def disable(
+    model: str, api: str, restored: dict[str, str], record_dir: str | None
+) -> dict[str, Any]:
     """Record the user's disable: what gcpatch gave back so the model is as it would be
     without gcpatch (its hooks are always removed; `restored` lists the configs R6 changed)."""
     given_back = "; ".join(f"{change} on {where}" for where, change in restored.items())
     line = f"gcpatch: {model}: {api} gave back " + (given_back or "nothing but its hooks")
-    entry = event({"stage": Stage.DISABLE, "model": model, "api": api, "restored": restored, "line": line}, record_dir)
+    entry = event(
+        {"stage": Stage.DISABLE, "model": model, "api": api, "restored": restored, "line": line},
+        record_dir,
+    )
     # said once per job like a decision; a disable that gave back only hooks is said at DEBUG
-    console.say(line, f"{line} (rank {rank()}; gcpatch's input-grads and first-forward hooks removed)",
-                f"{model}.{api}/disable", quiet=not restored)
+    console.say(
+        line,
+        f"{line} (rank {rank()}; gcpatch's input-grads and first-forward hooks removed)",
+        f"{model}.{api}/disable",
+        quiet=not restored,
+    )
     return entry
 
 
 def failure(stage: str, text: str, record_dir: str | None) -> None:
     """Record a decision that failed open: the host ran with its own behaviour."""
-    entry = {"time": time.time(), "pid": os.getpid(), "rank": rank(), "stage": stage, "failed_open": text}
+    entry = {
+        "time": time.time(),
+        "pid": os.getpid(),
+        "rank": rank(),
+        "stage": stage,
+        "failed_open": text,
+    }
     _history.append(entry)
     if record_dir:
         _write(entry, record_dir)
@@ -157,9 +185,15 @@ class Scan:
 def scan(path: str) -> Scan:
     found = Scan()
     try:
-        files = [path] if not os.path.isdir(path) else [
-            os.path.join(path, name) for name in sorted(os.listdir(path)) if name.endswith(".jsonl")
-        ]
+        files = (
+            [path]
+            if not os.path.isdir(path)
+            else [
+                os.path.join(path, name)
+                for name in sorted(os.listdir(path))
+                if name.endswith(".jsonl")
+            ]
+        )
     except OSError as exc:
         found.damaged.append(f"{path}: cannot list ({type(exc).__name__}: {exc})")
         return found
@@ -179,7 +213,9 @@ def scan(path: str) -> Scan:
                 found.damaged.append(f"{name}:{number}: not a JSON record ({type(exc).__name__})")
                 continue
             if not isinstance(entry, dict):
-                found.damaged.append(f"{name}:{number}: a JSON {type(entry).__name__}, not a record")
+                found.damaged.append(
+                    f"{name}:{number}: a JSON {type(entry).__name__}, not a record"
+                )
                 continue
             found.entries.append(entry)
     found.entries.sort(key=lambda e: (_number(e.get("rank")), _number(e.get("time"))))
@@ -194,8 +230,14 @@ def _number(value: Any) -> float:
 _unwritable: dict[str, str] = {}
 # Read and write (the last byte says whether a killed writer left half a line); never through a
 # symlink; non-blocking, so a FIFO planted there cannot hang the job.
-_OPEN_FLAGS = (os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-               | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+_OPEN_FLAGS = (
+    os.O_RDWR
+    | os.O_APPEND
+    | os.O_CREAT
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 def _write(entry: dict[str, Any], record_dir: str) -> bool:
@@ -207,7 +249,9 @@ def _write(entry: dict[str, Any], record_dir: str) -> bool:
         line = (json.dumps(entry, default=repr) + "\n").encode("utf-8")
         foreign = _foreign_link(record_dir)
         if foreign:
-            raise OSError(f"{foreign} is a symbolic link owned by another user, which gcpatch never follows")
+            raise OSError(
+                f"{foreign} is a symbolic link owned by another user, which gcpatch never follows"
+            )
         if not os.path.isdir(record_dir):
             os.makedirs(record_dir, mode=0o700, exist_ok=True)  # ours: only this user reads it
         fd = os.open(path, _OPEN_FLAGS, 0o600)
@@ -220,7 +264,7 @@ def _write(entry: dict[str, Any], record_dir: str) -> bool:
             if info.st_size and os.pread(fd, 1, info.st_size - 1) != b"\n":
                 line = b"\n" + line  # a writer killed mid-line: start ours on a line of its own
             while line:
-                line = line[os.write(fd, line):]
+                line = line[os.write(fd, line) :]
         finally:
             os.close(fd)
     except Exception as exc:  # noqa: BLE001 (the record must never cost the host its job)
@@ -229,8 +273,12 @@ def _write(entry: dict[str, Any], record_dir: str) -> bool:
             reason = "it is a symbolic link, which gcpatch never follows"
         if path not in _unwritable:
             _unwritable[path] = reason
-            log.error("gcpatch: cannot write the record %s (%s); decisions are still logged and the job goes on",
-                      path, reason)
+            log.error(
+                "gcpatch: cannot write the record %s (%s); decisions are still logged and the job"
+                " goes on",
+                path,
+                reason,
+            )
         return False
     return True
 

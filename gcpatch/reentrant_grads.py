@@ -1,4 +1,5 @@
-"""Gradients asked for by `torch.autograd.grad` or `backward(inputs=...)` through reentrant checkpoints (CK6).
+"""Gradients asked for by `torch.autograd.grad` or `backward(inputs=...)` through reentrant
+checkpoints (CK6).
 
 Reentrant checkpointing runs each checkpointed block's backward as a backward of its own that
 accumulates into `.grad`, and torch refuses it inside `torch.autograd.grad()` or
@@ -7,10 +8,13 @@ when the gradients are taken: nothing in the forward shows how they will be. Whe
 reentrant checkpoint and the gradients asked for are of leaf tensors, fix mode takes them by one
 ordinary backward into `.grad` instead and gives every other leaf its `.grad` back as it was: the
 result is what the call would return under non-reentrant checkpointing. Anything this cannot
-reproduce exactly (non-leaf inputs, `create_graph`, batched grads, a process group whose hooks a full
-backward would fire, hooks on other leaves) is left to torch, whose error then carries gcpatch's note
+reproduce exactly (non-leaf inputs, `create_graph`, batched grads, a process group whose hooks a
+full
+backward would fire, hooks on other leaves) is left to torch, whose error then carries gcpatch's
+note
 naming `use_reentrant=False` (crash_notes: reentrant_grad).
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,9 +28,25 @@ log = logging.getLogger("gcpatch")
 _seen = [False]  # a reentrant checkpoint ran in this process: only then is a graph looked at
 _said: set[str] = set()
 _CHECKPOINT_NODE = "CheckpointFunctionBackward"
-_GRAD_NAMES = ("outputs", "inputs", "grad_outputs", "retain_graph", "create_graph", "only_inputs", "allow_unused",
-               "is_grads_batched", "materialize_grads")
-_BACKWARD_NAMES = ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+_GRAD_NAMES = (
+    "outputs",
+    "inputs",
+    "grad_outputs",
+    "retain_graph",
+    "create_graph",
+    "only_inputs",
+    "allow_unused",
+    "is_grads_batched",
+    "materialize_grads",
+)
+_BACKWARD_NAMES = (
+    "tensors",
+    "grad_tensors",
+    "retain_graph",
+    "create_graph",
+    "grad_variables",
+    "inputs",
+)
 
 
 def reentrant_ran() -> None:
@@ -57,20 +77,25 @@ def grad(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             torch = sys.modules["torch"]
             found = tuple(torch.zeros_like(i) if g is None else g for i, g in zip(inputs, found))
         elif not call.get("allow_unused"):
-            raise RuntimeError("One of the differentiated Tensors appears to not have been used in the graph. "
-                               "Set allow_unused=True if this is the desired behavior.")
+            raise RuntimeError(
+                "One of the differentiated Tensors appears to not have been used in the graph. "
+                "Set allow_unused=True if this is the desired behavior."
+            )
     _say("torch.autograd.grad")
     return found
 
 
 def backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """torch.autograd.backward (Tensor.backward calls it), wrapt's wrapper protocol: only a call with
+    """torch.autograd.backward (Tensor.backward calls it), wrapt's wrapper protocol: only a call
+    with
     `inputs=` is looked at."""
     if not _seen[0] or (kwargs.get("inputs") is None and len(args) < 6):
         return wrapped(*args, **kwargs)
     call = {**dict(zip(_BACKWARD_NAMES, args)), **kwargs}
     tensors, inputs = _seq(call.get("tensors")), _seq(call.get("inputs"))
-    leaves = _planned(tensors, inputs, call.get("create_graph") or call.get("grad_variables") is not None)
+    leaves = _planned(
+        tensors, inputs, call.get("create_graph") or call.get("grad_variables") is not None
+    )
     if leaves is None:
         return wrapped(*args, **kwargs)
     asked = {id(i) for i in inputs}
@@ -85,7 +110,9 @@ def backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         for leaf, before in stash:
             new = leaf.grad
             if done and id(leaf) in asked and new is not None:
-                leaf.grad = new if before is None else before + new  # backward accumulates into .grad
+                leaf.grad = (
+                    new if before is None else before + new
+                )  # backward accumulates into .grad
             else:
                 leaf.grad = before
     _say("backward(inputs=...)")
@@ -94,7 +121,9 @@ def backward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 def _backward(tensors: list, grad_tensors: Any, retain_graph: Any) -> None:
     # the module attribute: crash notes and every other wrapper of it run as for any backward
-    sys.modules["torch"].autograd.backward(tensors, grad_tensors=grad_tensors, retain_graph=retain_graph)
+    sys.modules["torch"].autograd.backward(
+        tensors, grad_tensors=grad_tensors, retain_graph=retain_graph
+    )
 
 
 def _planned(outputs: list, inputs: list, unsupported: Any) -> list | None:
@@ -107,13 +136,17 @@ def _planned(outputs: list, inputs: list, unsupported: Any) -> list | None:
     except Exception as exc:  # noqa: BLE001 (fail open)
         if "failed" not in _said:
             _said.add("failed")
-            log.error("gcpatch: CK6 left the gradients to torch, looking at the graph failed (%s: %s)",
-                      type(exc).__name__, exc)
+            log.error(
+                "gcpatch: CK6 left the gradients to torch, looking at the graph failed (%s: %s)",
+                type(exc).__name__,
+                exc,
+            )
         return None
 
 
 def _served(outputs: list, inputs: list) -> list | None:
-    """The leaves a full backward from `outputs` reaches, where the graph holds a reentrant checkpoint
+    """The leaves a full backward from `outputs` reaches, where the graph holds a reentrant
+    checkpoint
     and that backward can stand in for the call: else None (torch runs the call as made)."""
     if settings.read().mode != "fix" or not outputs:
         return None
@@ -125,7 +158,9 @@ def _served(outputs: list, inputs: list) -> list | None:
         return None
     asked = {id(i) for i in inputs}
     for leaf in leaves:
-        if getattr(leaf, "_post_accumulate_grad_hooks", None) or (id(leaf) not in asked and leaf._backward_hooks):
+        if getattr(leaf, "_post_accumulate_grad_hooks", None) or (
+            id(leaf) not in asked and leaf._backward_hooks
+        ):
             return None  # hooks that would run for a leaf the call never asked about
     return leaves
 
@@ -161,14 +196,22 @@ def _seq(value: Any) -> list:
 
 def _leaves_only(inputs: list) -> bool:
     torch = sys.modules["torch"]
-    return bool(inputs) and all(isinstance(i, torch.Tensor) and i.is_leaf and i.requires_grad for i in inputs)
+    return bool(inputs) and all(
+        isinstance(i, torch.Tensor) and i.is_leaf and i.requires_grad for i in inputs
+    )
 
 
 def _say(entry: str) -> None:
     if entry in _said:
         return
     _said.add(entry)
-    line = (f"gcpatch: {entry} through reentrant checkpoints: the gradients asked for are taken by one backward "
-            "into .grad, every other .grad left as it was (CK6: torch refuses reentrant checkpointing there)")
+    line = (
+        f"gcpatch: {entry} through reentrant checkpoints: the gradients asked for are taken by one"
+        " backward into .grad, every other .grad left as it was (CK6: torch refuses reentrant"
+        " checkpointing there)"
+    )
     log.info("%s", line)
-    record.event({"stage": "grads", "entry": entry, "line": line, "rules": ["CK6"]}, settings.read().record_dir)
+    record.event(
+        {"stage": "grads", "entry": entry, "line": line, "rules": ["CK6"]},
+        settings.read().record_dir,
+    )

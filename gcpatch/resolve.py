@@ -13,6 +13,7 @@ bad failures, or two recommendations) are settled by the tie rule: the value PyT
 for the knob (use_reentrant=False, torch.utils.checkpoint docs), else the value of the lowest
 rule id. The record says it was a tie, not a ranking.
 """
+
 from __future__ import annotations
 
 from gcpatch.errors import GcpatchError
@@ -21,8 +22,8 @@ from gcpatch.schema import (
     EVAL_MODE_FIX,
     FAILURE_ORDER,
     KNOBS,
-    RUN_INLINE,
     REQUIRED,
+    RUN_INLINE,
     STRENGTH_ORDER,
     USE_REENTRANT,
     USER,
@@ -43,11 +44,28 @@ def stance_votes(facts: Facts) -> list[Vote]:
     _warn_string_booleans(facts.asked_kwargs)
     votes = []
     if facts.asked_use_reentrant is not None:
-        votes.append(Vote(USE_REENTRANT, facts.asked_use_reentrant, USER, "USER",
-                          f"asked for by {facts.asked_from}", plugin="core", short="as asked"))
-    votes.append(Vote(USE_REENTRANT, False, DEFAULT, "DEFAULT",
-                      "no rule applies: non-reentrant, as PyTorch recommends (torch.utils.checkpoint docs)",
-                      plugin="core", short="no rule applies, PyTorch's recommendation"))
+        votes.append(
+            Vote(
+                USE_REENTRANT,
+                facts.asked_use_reentrant,
+                USER,
+                "USER",
+                f"asked for by {facts.asked_from}",
+                plugin="core",
+                short="as asked",
+            )
+        )
+    votes.append(
+        Vote(
+            USE_REENTRANT,
+            False,
+            DEFAULT,
+            "DEFAULT",
+            "no rule applies: non-reentrant, as PyTorch recommends (torch.utils.checkpoint docs)",
+            plugin="core",
+            short="no rule applies, PyTorch's recommendation",
+        )
+    )
     return votes
 
 
@@ -61,9 +79,12 @@ def _warn_string_booleans(asked: object) -> None:
     for name in _SWITCH_KWARGS:
         value = asked.get(name) if isinstance(asked, dict) else None
         if isinstance(value, str):
-            settings.report_once(f"kwarg:{name}={value}", f"gcpatch: {name}={value!r} is a string, which torch reads "
-                                 f"as {bool(value)} (any non-empty string is true); gcpatch reads it as {bool(value)} "
-                                 f"too; pass {name}=True or {name}=False, not a string")
+            settings.report_once(
+                f"kwarg:{name}={value}",
+                f"gcpatch: {name}={value!r} is a string, which torch reads as {bool(value)} (any"
+                f" non-empty string is true); gcpatch reads it as {bool(value)} too; pass"
+                f" {name}=True or {name}=False, not a string",
+            )
 
 
 # The tie rule: the value PyTorch recommends for the knob, where it recommends one.
@@ -93,18 +114,25 @@ def _resolve_knob(votes: list[Vote], mode: str, decision: Decision) -> Vote | No
         if winner.strength == USER:
             decision.warnings.extend(
                 f"{v.rule}: your {v.knob}={winner.value} is kept (it is correct); {v.kept_cost}"
-                for v in votes if v.kept_cost and v.value != winner.value)
+                for v in votes
+                if v.kept_cost and v.value != winner.value
+            )
         return winner
     if chosen.knob in _STATE_KNOBS and mode == "warn":
         decision.warnings.append(f"{chosen.rule}: {chosen.reason} (warn mode: left as it is)")
         return None
     if user is None or user.value == chosen.value:
         return chosen
-    conflict = (f"{chosen.rule} requires {chosen.knob}={chosen.value} ({chosen.reason}); "
-                f"the user asked {user.knob}={user.value} ({user.reason})")
+    conflict = (
+        f"{chosen.rule} requires {chosen.knob}={chosen.value} ({chosen.reason}); "
+        f"the user asked {user.knob}={user.value} ({user.reason})"
+    )
     if mode == "strict":
-        raise GcpatchError(conflict, rule=chosen.rule,
-                           fix=f"pass {chosen.knob}={chosen.value}, or set GCPATCH_MODE=warn to keep yours")
+        raise GcpatchError(
+            conflict,
+            rule=chosen.rule,
+            fix=f"pass {chosen.knob}={chosen.value}, or set GCPATCH_MODE=warn to keep yours",
+        )
     if mode == "warn":
         decision.warnings.append(f"{conflict}; warn mode keeps the user's value")
         return user
@@ -118,18 +146,26 @@ def _settle_required(required: list[Vote], mode: str, decision: Decision) -> Vot
     worst = max(FAILURE_ORDER.get(v.avoids, 0) for v in required)
     top = [v for v in required if FAILURE_ORDER.get(v.avoids, 0) == worst]
     chosen = _tie_break(top)
-    reasons = "; ".join(f"{v.rule} wants {v.value} to avoid {v.avoids or 'a failure'} ({v.reason})" for v in required)
+    reasons = "; ".join(
+        f"{v.rule} wants {v.value} to avoid {v.avoids or 'a failure'} ({v.reason})"
+        for v in required
+    )
     if len({repr(v.value) for v in top}) == 1:
         verdict = f"{chosen.rule} wins (it avoids the worse failure, {chosen.avoids})"
     else:
         losers = sorted({v.rule for v in top if repr(v.value) != repr(chosen.value)})
-        verdict = (f"{' and '.join(sorted({v.rule for v in top}))} avoid equally bad failures "
-                   f"({chosen.avoids or 'unstated'}), so this is a tie, settled by the tie rule: "
-                   f"{_tie_rule(chosen)}; what {', '.join(losers)} guards against may still happen")
+        verdict = (
+            f"{' and '.join(sorted({v.rule for v in top}))} avoid equally bad failures "
+            f"({chosen.avoids or 'unstated'}), so this is a tie, settled by the tie rule: "
+            f"{_tie_rule(chosen)}; what {', '.join(losers)} guards against may still happen"
+        )
     text = f"required votes disagree on {chosen.knob}: {reasons}; {verdict}"
     if mode == "strict":
-        raise GcpatchError(text, rule="+".join(sorted({v.rule for v in required})),
-                           fix="change the set-up so that only one of these rules applies")
+        raise GcpatchError(
+            text,
+            rule="+".join(sorted({v.rule for v in required})),
+            fix="change the set-up so that only one of these rules applies",
+        )
     decision.conflicts.append(text)
     return chosen
 
@@ -149,13 +185,23 @@ def _tie_break(votes: list[Vote]) -> Vote:
 
 def _tie_rule(chosen: Vote) -> str:
     if chosen.knob in TIE_VALUES and chosen.value is TIE_VALUES[chosen.knob]:
-        return f"{chosen.knob}={chosen.value}, the value PyTorch recommends (torch.utils.checkpoint docs)"
+        return (
+            f"{chosen.knob}={chosen.value}, the value PyTorch recommends (torch.utils.checkpoint"
+            " docs)"
+        )
     return f"{chosen.knob}={chosen.value}, the value of the lowest rule id ({chosen.rule})"
 
 
 def _canonical(vote: Vote) -> tuple:
-    return (-STRENGTH_ORDER.get(vote.strength, -1), vote.rule, vote.plugin, vote.knob, repr(vote.value),
-            vote.avoids, vote.reason)
+    return (
+        -STRENGTH_ORDER.get(vote.strength, -1),
+        vote.rule,
+        vote.plugin,
+        vote.knob,
+        repr(vote.value),
+        vote.avoids,
+        vote.reason,
+    )
 
 
 def _knobs_in_order(votes: list[Vote]) -> list[str]:

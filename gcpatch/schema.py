@@ -3,11 +3,13 @@
 Plain frozen dataclasses, so a record is a faithful copy of what was decided and every rank
 can compare its decisions with the others' as data.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Callable, Mapping
+
 
 class _Word(str, Enum):
     """A word of the record's vocabulary: compares, hashes and prints as its string, so
@@ -60,27 +62,48 @@ class Knob(_Word):
     INPUT_GRADS_HOOK = "input_grads_hook"
     USE_CACHE_OFF = "use_cache_off"
     EVAL_MODE_FIX = "eval_mode_fix"
-    RUN_INLINE = "run_inline"  # a checkpoint call nested in another runs its function directly (CK2)
-    LIFT_BOUND_TENSORS = "lift_bound_tensors"  # a partial's bound graph tensors become checkpoint inputs (CK5)
+    # a checkpoint call nested in another runs its function directly (CK2)
+    RUN_INLINE = "run_inline"
+    # a partial's bound graph tensors become checkpoint inputs (CK5)
+    LIFT_BOUND_TENSORS = "lift_bound_tensors"
 
 
-REQUIRED, USER, RECOMMENDED, DEFAULT = Strength.REQUIRED, Strength.USER, Strength.RECOMMENDED, Strength.DEFAULT
+REQUIRED, USER, RECOMMENDED, DEFAULT = (
+    Strength.REQUIRED,
+    Strength.USER,
+    Strength.RECOMMENDED,
+    Strength.DEFAULT,
+)
 STRENGTH_ORDER = {REQUIRED: 3, USER: 2, RECOMMENDED: 1, DEFAULT: 0}
-WRONG_GRADIENTS, CRASH, NO_MEMORY_SAVED = Failure.WRONG_GRADIENTS, Failure.CRASH, Failure.NO_MEMORY_SAVED
+WRONG_GRADIENTS, CRASH, NO_MEMORY_SAVED = (
+    Failure.WRONG_GRADIENTS,
+    Failure.CRASH,
+    Failure.NO_MEMORY_SAVED,
+)
 FAILURE_ORDER = {WRONG_GRADIENTS: 3, CRASH: 2, NO_MEMORY_SAVED: 1, "": 0}
-USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF = Knob.USE_REENTRANT, Knob.INPUT_GRADS_HOOK, Knob.USE_CACHE_OFF
-EVAL_MODE_FIX, RUN_INLINE, LIFT_BOUND_TENSORS = Knob.EVAL_MODE_FIX, Knob.RUN_INLINE, Knob.LIFT_BOUND_TENSORS
+USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF = (
+    Knob.USE_REENTRANT,
+    Knob.INPUT_GRADS_HOOK,
+    Knob.USE_CACHE_OFF,
+)
+EVAL_MODE_FIX, RUN_INLINE, LIFT_BOUND_TENSORS = (
+    Knob.EVAL_MODE_FIX,
+    Knob.RUN_INLINE,
+    Knob.LIFT_BOUND_TENSORS,
+)
 KNOBS = tuple(Knob)
 
 # Framework facts one plugin publishes (gcpatch_facts) for other plugins' rules to read.
 # True: non-reentrant recompute of ZeRO-3-partitioned frozen parameters works on this DeepSpeed;
-# False: it raises CheckpointError (the deepspeed plugin owns the release gate, R3). Absent: unknown.
+# False: it raises CheckpointError (the deepspeed plugin owns the release gate, R3). Absent:
+# unknown.
 ZERO3_NONREENTRANT_RECOMPUTE = "zero3_nonreentrant_recompute"
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One row of the rule table: its id is what records and docs/RULES.md cite, its source is where the truth lives."""
+    """One row of the rule table: its id is what records and docs/RULES.md cite, its source is
+    where the truth lives."""
 
     id: str
     summary: str
@@ -115,9 +138,11 @@ class PluginInfo:
 
     name: str
     framework: str  # the distribution whose version is checked, e.g. "transformers"
-    versions: str  # a PEP 440 specifier, e.g. ">=4.41,<6": outside it the plugin cannot work and is skipped
+    # a PEP 440 specifier, e.g. ">=4.41,<6": outside it the plugin cannot work and is skipped
+    versions: str
     rules: tuple[Rule, ...] = ()
-    # the releases the version matrix proves (matrix/RESULTS.md); inside `versions` but outside this,
+    # the releases the version matrix proves (matrix/RESULTS.md); inside `versions` but outside
+    # this,
     # the plugin still runs (fail-open) and says once "untested <framework> <version>"
     proven: str = ""
 
@@ -162,11 +187,14 @@ class Facts:
     # a checkpoint function other than torch's that the layers will call ("": torch's)
     checkpoint_function: str = ""
     # where the checkpoint call sits around a checkpointed layer (facts.checkpoint_site): "loop" |
-    # "layer_call" | "layer_forward" | "" (no layer); what a reentrant recompute runs again depends on it (F2)
+    # "layer_call" | "layer_forward" | "" (no layer); what a reentrant recompute runs again depends
+    # on it (F2)
     checkpoint_site: str = ""
-    # FSDP wrapping the model: "fsdp1" | "fsdp2" (wrapped, or wrapping now), "accelerate:fsdpN" (launcher), ""
+    # FSDP wrapping the model: "fsdp1" | "fsdp2" (wrapped, or wrapping now), "accelerate:fsdpN"
+    # (launcher), ""
     fsdp: str = ""
-    # FSDP's own activation checkpointing: "checkpoint_wrapper: N modules (impl)", "accelerate: planned", ""
+    # FSDP's own activation checkpointing: "checkpoint_wrapper: N modules (impl)", "accelerate:
+    # planned", ""
     fsdp_checkpointing: str = ""
     # what plugins know about their frameworks for other plugins' rules (gcpatch_facts), by name
     framework_facts: Mapping[str, Any] = field(default_factory=dict)

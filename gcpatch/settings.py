@@ -3,6 +3,7 @@
 A bad value never raises: it is reported once on stderr, in words that say exactly what gcpatch
 does instead, because gcpatch runs inside other people's jobs (fail open).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,11 @@ def env_switch() -> bool | None:
         return True
     if value in _FALSE:
         return False
-    report_once("GCPATCH", f"gcpatch: GCPATCH={raw!r} is neither 1 nor 0; gcpatch stays off, as with GCPATCH=0 "
-                "(set GCPATCH=1 to switch it on)")
+    report_once(
+        "GCPATCH",
+        f"gcpatch: GCPATCH={raw!r} is neither 1 nor 0; gcpatch stays off, as with GCPATCH=0 "
+        "(set GCPATCH=1 to switch it on)",
+    )
     return False
 
 
@@ -49,8 +53,12 @@ class Settings:
         self.record_dir = record_dir
         self.blocked_plugins = blocked_plugins
         self.log_level = log_level
-        self.verify = verify  # GCPATCH_VERIFY=1: check each model's first training step (gcpatch/verify.py)
-        self.memory_budget = memory_budget  # GCPATCH_MEMORY_BUDGET, a gcpatch.budget.Budget (gcpatch/planner.py)
+        self.verify = (
+            verify  # GCPATCH_VERIFY=1: check each model's first training step (gcpatch/verify.py)
+        )
+        self.memory_budget = (
+            memory_budget  # GCPATCH_MEMORY_BUDGET, a gcpatch.budget.Budget (gcpatch/planner.py)
+        )
 
     @property
     def strict(self) -> bool:
@@ -69,17 +77,26 @@ def read() -> Settings:
         _bad("GCPATCH_LOG", log_level, " | ".join(_LOG_LEVELS), "info")
         log_level = "info"
     blocked = frozenset(
-        name.strip() for name in os.environ.get("GCPATCH_DISABLE_PLUGINS", "").split(",") if name.strip()
+        name.strip()
+        for name in os.environ.get("GCPATCH_DISABLE_PLUGINS", "").split(",")
+        if name.strip()
     )
     record_dir = os.environ.get("GCPATCH_RECORD", "").strip() or None
     verify = os.environ.get("GCPATCH_VERIFY", "").strip().lower() in _TRUE
-    return Settings(mode=mode, record_dir=record_dir, blocked_plugins=blocked, log_level=log_level, verify=verify,
-                    memory_budget=memory_budget())
+    return Settings(
+        mode=mode,
+        record_dir=record_dir,
+        blocked_plugins=blocked,
+        log_level=log_level,
+        verify=verify,
+        memory_budget=memory_budget(),
+    )
 
 
 def memory_budget() -> object:
     """GCPATCH_MEMORY_BUDGET: a fraction of the activations (0.5) or a size (6GiB, 800MB), parsed
-    by gcpatch.budget (imported only when the variable is set: this module is on the start-up path)."""
+    by gcpatch.budget (imported only when the variable is set: this module is on the start-up path).
+    """
     raw = os.environ.get("GCPATCH_MEMORY_BUDGET", "")
     if not raw.strip():
         return None
@@ -87,8 +104,11 @@ def memory_budget() -> object:
 
     parsed = parse(raw)
     if isinstance(parsed, str):
-        report_once("GCPATCH_MEMORY_BUDGET", f"gcpatch: GCPATCH_MEMORY_BUDGET={raw!r} is {parsed}; no budget is "
-                    "applied, every layer whose checkpointing is on recomputes as without the variable")
+        report_once(
+            "GCPATCH_MEMORY_BUDGET",
+            f"gcpatch: GCPATCH_MEMORY_BUDGET={raw!r} is {parsed}; no budget is "
+            "applied, every layer whose checkpointing is on recomputes as without the variable",
+        )
         return None
     return parsed
 
@@ -100,8 +120,11 @@ def local_plugins() -> bool:
     if value in _TRUE:
         return True
     if value not in _FALSE:
-        report_once("GCPATCH_LOCAL_PLUGINS", f"gcpatch: GCPATCH_LOCAL_PLUGINS={raw!r} is neither 1 nor 0; "
-                    "plugins next to the script are not loaded, as with 0")
+        report_once(
+            "GCPATCH_LOCAL_PLUGINS",
+            f"gcpatch: GCPATCH_LOCAL_PLUGINS={raw!r} is neither 1 nor 0; "
+            "plugins next to the script are not loaded, as with 0",
+        )
     return False
 
 
@@ -114,8 +137,11 @@ def int_env(name: str, default: int, meaning: str) -> int:
     try:
         return int(raw.strip())
     except ValueError:
-        report_once(name, f"gcpatch: {name}={raw!r} is not an integer; gcpatch uses {default} as {meaning} "
-                    "(your launcher may read it differently)")
+        report_once(
+            name,
+            f"gcpatch: {name}={raw!r} is not an integer; gcpatch uses {default} as {meaning} "
+            "(your launcher may read it differently)",
+        )
         return default
 
 

@@ -13,6 +13,7 @@ reducer work is triggered. It runs once per model; afterwards nothing of it is l
 
 `check()` is the measurement itself, also used by the pytest plugin.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,14 +54,18 @@ class Report:
     tensors: int = 0
     rows: int = 0
     batch: int = 0
-    missing: list[str] = field(default_factory=list)  # a gradient without checkpointing, none with it
+    missing: list[str] = field(
+        default_factory=list
+    )  # a gradient without checkpointing, none with it
     extra: list[str] = field(default_factory=list)  # a gradient with checkpointing, none without it
     differ: list[str] = field(default_factory=list)
     max_abs_diff: float = 0.0
     max_rel_diff: float = 0.0
     saved_bytes_checkpointed: int = 0
     saved_bytes_plain: int = 0
-    blocks: dict[str, dict[str, int]] = field(default_factory=dict)  # block -> {forward, backward} runs
+    blocks: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # block -> {forward, backward} runs
     checkpointing_on: int = 0  # checkpoint layers with gradient_checkpointing set
     seconds: float = 0.0
     skipped: str = ""
@@ -91,24 +96,37 @@ class Report:
             return [f"not verified: {self.skipped}"]
         out = []
         if self.missing:
-            out.append(f"{len(self.missing)} tensor(s) get no gradient with checkpointing but one without it: "
-                       f"{_names(self.missing, limit)}")
+            out.append(
+                f"{len(self.missing)} tensor(s) get no gradient with checkpointing but one without"
+                f" it: {_names(self.missing, limit)}"
+            )
         if self.extra:
-            out.append(f"{len(self.extra)} tensor(s) get a gradient only with checkpointing: "
-                       f"{_names(self.extra, limit)}")
+            out.append(
+                f"{len(self.extra)} tensor(s) get a gradient only with checkpointing: "
+                f"{_names(self.extra, limit)}"
+            )
         if self.differ:
-            out.append(f"{len(self.differ)} gradient(s) differ from no checkpointing (max abs diff "
-                       f"{self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}): {_names(self.differ, limit)}")
+            out.append(
+                f"{len(self.differ)} gradient(s) differ from no checkpointing (max abs diff"
+                f" {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}):"
+                f" {_names(self.differ, limit)}"
+            )
         if not self.blocks:
-            out.append(f"no block was checkpointed in this step ({self.checkpointing_on} module(s) have "
-                       "checkpointing on; a model left in eval mode skips it)")
+            out.append(
+                f"no block was checkpointed in this step ({self.checkpointing_on} module(s) have "
+                "checkpointing on; a model left in eval mode skips it)"
+            )
         elif self.saved_fraction < min_saved:
-            out.append(f"checkpointing saves {self.saved_fraction:.0%} of the forward's activations "
-                       f"(expected at least {min_saved:.0%})")
+            out.append(
+                f"checkpointing saves {self.saved_fraction:.0%} of the forward's activations "
+                f"(expected at least {min_saved:.0%})"
+            )
         twice = sorted(name for name, runs in self.blocks.items() if runs["backward"] > 1)
         if twice:
-            out.append(f"{len(twice)} block(s) recomputed more than once in one backward (two tools checkpoint "
-                       f"the same blocks?): {_names(twice, limit)}")
+            out.append(
+                f"{len(twice)} block(s) recomputed more than once in one backward (two tools"
+                f" checkpoint the same blocks?): {_names(twice, limit)}"
+            )
         return out
 
     def line(self) -> str:
@@ -116,8 +134,10 @@ class Report:
         if self.skipped:
             return f"{self.model}: not verified ({self.skipped})"
         if self.gradients_match:
-            grads = (f"gradients match ({self.tensors} tensors, max abs diff {self.max_abs_diff:.3g}, "
-                     f"max rel diff {self.max_rel_diff:.3g})")
+            grads = (
+                f"gradients match ({self.tensors} tensors, max abs diff {self.max_abs_diff:.3g}, "
+                f"max rel diff {self.max_rel_diff:.3g})"
+            )
         else:
             parts = []
             if self.missing:
@@ -126,9 +146,14 @@ class Report:
                 parts.append(f"only with checkpointing {_names(self.extra)}")
             if self.differ:
                 parts.append(f"differ {_names(self.differ)} (max rel diff {self.max_rel_diff:.3g})")
-            grads = f"gradients DIFFER in {len(self.wrong)} of {self.tensors} tensors: {'; '.join(parts)}"
-        memory = (f"activations saved {self.saved_fraction:.0%} ({_mb(self.saved_bytes_plain)} -> "
-                  f"{_mb(self.saved_bytes_checkpointed)} on {self.rows} of {self.batch} rows)")
+            grads = (
+                f"gradients DIFFER in {len(self.wrong)} of {self.tensors} tensors:"
+                f" {'; '.join(parts)}"
+            )
+        memory = (
+            f"activations saved {self.saved_fraction:.0%} ({_mb(self.saved_bytes_plain)} -> "
+            f"{_mb(self.saved_bytes_checkpointed)} on {self.rows} of {self.batch} rows)"
+        )
         counts = self.recompute_counts
         idle = [name for name, runs in self.blocks.items() if runs["backward"] == 0]
         if not self.blocks:
@@ -137,21 +162,28 @@ class Report:
             recompute = f"each block recomputed once ({len(self.blocks)} blocks)"
         elif counts == [0, 1] and self.gradients_match:
             # a frozen block whose inputs need no gradient is rightly never recomputed
-            recompute = (f"each block recomputed at most once ({len(self.blocks)} blocks; no backward through "
-                         f"{_names(idle)})")
+            recompute = (
+                f"each block recomputed at most once ({len(self.blocks)} blocks; no backward"
+                f" through {_names(idle)})"
+            )
         else:
             recompute = "blocks recomputed " + ", ".join(
-                f"{name} x{runs['backward']}" for name, runs in self.blocks.items())
+                f"{name} x{runs['backward']}" for name, runs in self.blocks.items()
+            )
         return f"{self.model}: {grads}; {memory}; {recompute}"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data.update(gradients_match=self.gradients_match, saved_fraction=self.saved_fraction,
-                    problems=self.problems(full=True))
+        data.update(
+            gradients_match=self.gradients_match,
+            saved_fraction=self.saved_fraction,
+            problems=self.problems(full=True),
+        )
         return data
 
 
-# Fix mode's answer to a failed verification: (model, report, attempt) -> what it changed, or "" when
+# Fix mode's answer to a failed verification: (model, report, attempt) -> what it changed, or ""
+# when
 # it changed nothing. Attempt 1 switches to non-reentrant, attempt 2 switches checkpointing off for
 # the offending blocks (gcpatch.pipeline.correct).
 Correct = Callable[[Any, "Report", int], str]
@@ -162,7 +194,8 @@ def arm(model: Any, correct: Correct | None = None) -> None:
     """Verify `model` at its first grad-enabled forward (once per model; arming again keeps this
     hook after gcpatch's own first-forward hook, so R5 is applied before verify looks). Its base
     model is armed too: some wrappers enter the model's `forward` without a module call (peft <
-    0.18's `BaseTuner.forward` calls `self.model.forward`), and then only the base model's hooks run.
+    0.18's `BaseTuner.forward` calls `self.model.forward`), and then only the base model's hooks
+    run.
     In fix mode a failed verification is handed to `correct` before the user's first step runs."""
     try:
         if model in _done:
@@ -182,10 +215,17 @@ def arm(model: Any, correct: Correct | None = None) -> None:
             handles.append(base.register_forward_pre_hook(_first_forward, with_kwargs=True))
         _armed[model] = handles
     except Exception as exc:  # noqa: BLE001 (fail open: verify must never break the host)
-        log.error("gcpatch: verify not armed for %s (%s: %s)", type(model).__name__, type(exc).__name__, exc)
+        log.error(
+            "gcpatch: verify not armed for %s (%s: %s)",
+            type(model).__name__,
+            type(exc).__name__,
+            exc,
+        )
 
 
-def _on_first_forward(model: Any, module: Any, args: tuple, kwargs: dict, correct: Correct | None = None) -> None:
+def _on_first_forward(
+    model: Any, module: Any, args: tuple, kwargs: dict, correct: Correct | None = None
+) -> None:
     torch = sys.modules["torch"]
     if _checking or not torch.is_grad_enabled():
         return
@@ -196,13 +236,22 @@ def _on_first_forward(model: Any, module: Any, args: tuple, kwargs: dict, correc
     report = _checked(model, module, args, kwargs)
     _report(report, cfg)
     attempt = 0
-    while correct is not None and cfg.mode == "fix" and _needs_correction(report) and attempt < ATTEMPTS:
+    while (
+        correct is not None
+        and cfg.mode == "fix"
+        and _needs_correction(report)
+        and attempt < ATTEMPTS
+    ):
         attempt += 1
         try:
             changed = correct(model, report, attempt)
         except Exception as exc:  # noqa: BLE001 (fail open: the step runs as decided)
-            log.error("gcpatch: verify could not correct %s (%s: %s); the step runs as decided",
-                      type(model).__name__, type(exc).__name__, exc)
+            log.error(
+                "gcpatch: verify could not correct %s (%s: %s); the step runs as decided",
+                type(model).__name__,
+                type(exc).__name__,
+                exc,
+            )
             return
         if not changed:
             continue
@@ -214,43 +263,78 @@ def _checked(model: Any, module: Any, args: tuple, kwargs: dict) -> Report:
     try:
         report = check(module, args, kwargs)
         if module is not model:
-            report.model = (f"{type(model).__name__} (checked on its base model {type(module).__name__}: "
-                            f"{type(model).__name__}.forward was entered without a module call)")
+            report.model = (
+                f"{type(model).__name__} (checked on its base model {type(module).__name__}: "
+                f"{type(model).__name__}.forward was entered without a module call)"
+            )
     except GcpatchError:
-        raise  # strict mode stopped the job at a rule (a call-site rule inside the checked pass): as asked
+        # strict mode stopped the job at a rule (a call-site rule inside the checked pass): as asked
+        raise
     except Exception as exc:  # noqa: BLE001 (fail open)
-        report = Report(model=type(model).__name__, skipped=f"verify failed: {type(exc).__name__}: {exc}")
+        report = Report(
+            model=type(model).__name__, skipped=f"verify failed: {type(exc).__name__}: {exc}"
+        )
     return report
 
 
 def _needs_correction(report: Report) -> bool:
     """Wrong gradients or a block recomputed twice: what fix mode corrects before the first step."""
-    return not report.skipped and (bool(report.wrong) or any(r["backward"] > 1 for r in report.blocks.values()))
+    return not report.skipped and (
+        bool(report.wrong) or any(r["backward"] > 1 for r in report.blocks.values())
+    )
 
 
 def _report_correction(before: Report, after: Report, changed: str, cfg: settings.Settings) -> None:
-    """One line: what fix mode changed before the user's first step, why, and the second verification."""
-    why = (f"{len(before.wrong)} of {before.tensors} gradients differed from no checkpointing" if before.wrong
-           else "blocks were recomputed more than once")
-    line = (f"gcpatch: rank {rank()} verify {before.model}: changed before the first step: {changed} (VERIFY: {why}); "
-            f"verified again: {after.line().split(': ', 1)[-1]}")
-    log.log(logging.WARNING if _needs_correction(after) or after.skipped else logging.INFO, "%s", line)
-    record.event({"stage": "verify", "model": after.model, "line": line, "corrected": changed,
-                  "details": after.problems(full=True), "verify_before": before.to_dict(),
-                  "verify": after.to_dict()}, cfg.record_dir)
+    """One line: what fix mode changed before the user's first step, why, and the second
+    verification."""
+    why = (
+        f"{len(before.wrong)} of {before.tensors} gradients differed from no checkpointing"
+        if before.wrong
+        else "blocks were recomputed more than once"
+    )
+    line = (
+        f"gcpatch: rank {rank()} verify {before.model}: changed before the first step: {changed}"
+        f" (VERIFY: {why}); verified again: {after.line().split(': ', 1)[-1]}"
+    )
+    log.log(
+        logging.WARNING if _needs_correction(after) or after.skipped else logging.INFO, "%s", line
+    )
+    record.event(
+        {
+            "stage": "verify",
+            "model": after.model,
+            "line": line,
+            "corrected": changed,
+            "details": after.problems(full=True),
+            "verify_before": before.to_dict(),
+            "verify": after.to_dict(),
+        },
+        cfg.record_dir,
+    )
 
 
 def _report(report: Report, cfg: settings.Settings) -> None:
     line = f"gcpatch: rank {rank()} verify {report.line()}"
     problems = report.problems(full=True)
     log.log(logging.WARNING if problems else logging.INFO, "%s", line)
-    record.event({"stage": "verify", "model": report.model, "line": line, "details": problems,
-                  "verify": report.to_dict()}, cfg.record_dir)
+    record.event(
+        {
+            "stage": "verify",
+            "model": report.model,
+            "line": line,
+            "details": problems,
+            "verify": report.to_dict(),
+        },
+        cfg.record_dir,
+    )
     if cfg.strict and report.wrong:
         raise GcpatchError(
-            f"verify: with checkpointing as applied, {len(report.wrong)} of {report.tensors} trainable tensors of "
-            f"{report.model} get a different gradient than without it: {', '.join(report.wrong)}",
-            rule="VERIFY", fix="see `gcpatch explain`; use_reentrant=False covers most set-ups")
+            f"verify: with checkpointing as applied, {len(report.wrong)} of {report.tensors}"
+            f" trainable tensors of {report.model} get a different gradient than without it:"
+            f" {', '.join(report.wrong)}",
+            rule="VERIFY",
+            fix="see `gcpatch explain`; use_reentrant=False covers most set-ups",
+        )
 
 
 def check(
@@ -271,8 +355,9 @@ def check(
     report = Report(model=type(model).__name__)
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     report.tensors = len(trainable)
-    report.checkpointing_on = sum(1 for m in checkpoint_layers(model)
-                                  if getattr(m, "gradient_checkpointing", False) is True)
+    report.checkpointing_on = sum(
+        1 for m in checkpoint_layers(model) if getattr(m, "gradient_checkpointing", False) is True
+    )
     report.skipped = _unsupported(torch, model, trainable, kwargs)
     batch = _batch_size(torch, args, kwargs)
     if not report.skipped and batch is None:
@@ -283,19 +368,30 @@ def check(
     report.rows = batch if rows is None else max(1, min(rows, batch))
     s_args, s_kwargs = _slice(torch, (tuple(args), kwargs), batch, report.rows)
     stash = [(p, p.grad) for p in model.parameters()]
-    devices = sorted({p.device.index or 0 for _, p in trainable if p.device.type not in ("cpu", "meta")})
-    device_type = next((p.device.type for _, p in trainable if p.device.type not in ("cpu", "meta")), None)
+    devices = sorted(
+        {p.device.index or 0 for _, p in trainable if p.device.type not in ("cpu", "meta")}
+    )
+    device_type = next(
+        (p.device.type for _, p in trainable if p.device.type not in ("cpu", "meta")), None
+    )
     _checking = True
     try:
-        with torch.random.fork_rng(devices=devices, device_type=device_type or "cuda"), _python_rng_kept():
+        with (
+            torch.random.fork_rng(devices=devices, device_type=device_type or "cuda"),
+            _python_rng_kept(),
+        ):
             rng = _rng_state(torch, devices, device_type)
             for p, _ in stash:
                 p.grad = None
-            checkpointed = _run(torch, model, s_args, s_kwargs, trainable, loss_fn, report, checkpointing=True)
+            checkpointed = _run(
+                torch, model, s_args, s_kwargs, trainable, loss_fn, report, checkpointing=True
+            )
             _set_rng_state(torch, rng, devices, device_type)
             for p, _ in stash:
                 p.grad = None
-            plain = _run(torch, model, s_args, s_kwargs, trainable, loss_fn, report, checkpointing=False)
+            plain = _run(
+                torch, model, s_args, s_kwargs, trainable, loss_fn, report, checkpointing=False
+            )
     finally:
         _checking = False
         for p, grad in stash:
@@ -310,24 +406,39 @@ def _unsupported(torch: Any, model: Any, trainable: list, kwargs: Mapping[str, A
     if not trainable:
         return "no trainable parameters"
     if any(hasattr(p, "ds_id") for _, p in trainable):
-        return ("DeepSpeed ZeRO-3 partitions the parameters: an extra pass would gather them and reduce its "
-                "gradients into the optimizer's partitions")
+        return (
+            "DeepSpeed ZeRO-3 partitions the parameters: an extra pass would gather them and reduce"
+            " its gradients into the optimizer's partitions"
+        )
     if any(type(p).__name__ in ("FlatParameter", "DTensor") for _, p in trainable):
         return "FSDP-sharded parameters: an extra pass would run FSDP's collectives"
     if any(getattr(p, "_post_accumulate_grad_hooks", None) for _, p in trainable):
-        return "parameters carry post-accumulate-grad hooks (optimizer in backward): they would run twice"
+        return (
+            "parameters carry post-accumulate-grad hooks (optimizer in backward): they would run"
+            " twice"
+        )
     if passes_kv_cache(kwargs):
         return "a KV cache is passed in: the extra passes would write into it"
     try:
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             return "the forward runs inside saved-tensor hooks (an outer checkpoint or offload)"
     except Exception as exc:  # noqa: BLE001 (private API: only a precaution)
-        log.debug("gcpatch: verify cannot read torch's saved-tensor hooks (%s); checked without it", exc)
+        log.debug(
+            "gcpatch: verify cannot read torch's saved-tensor hooks (%s); checked without it", exc
+        )
     return ""
 
 
-def _run(torch: Any, model: Any, args: tuple, kwargs: dict, trainable: list, loss_fn: Any, report: Report,
-         checkpointing: bool) -> dict[str, Any]:
+def _run(
+    torch: Any,
+    model: Any,
+    args: tuple,
+    kwargs: dict,
+    trainable: list,
+    loss_fn: Any,
+    report: Report,
+    checkpointing: bool,
+) -> dict[str, Any]:
     """One pass on the slice; returns {name: gradient or None} and fills in saved bytes/runs."""
     phase = ["forward"]
     blocks: dict[str, dict[str, int]] = {}
@@ -369,7 +480,9 @@ def _identity(tensor: Any) -> Any:
     return tensor
 
 
-def _swap_checkpoint_functions(model: Any, checkpointing: bool, blocks: dict, phase: list) -> Callable[[], None]:
+def _swap_checkpoint_functions(
+    model: Any, checkpointing: bool, blocks: dict, phase: list
+) -> Callable[[], None]:
     """Every checkpointed module's `_gradient_checkpointing_func` (transformers', or R5's wrapper
     around it) is swapped for one that counts the block's runs, or for a plain call; the returned
     function puts back the very same objects."""
@@ -406,7 +519,9 @@ def _run_plainly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return function(*args, **kwargs)
 
 
-def _counting(inner: Callable[..., Any], owner: str, names: dict, blocks: dict, phase: list) -> Callable[..., Any]:
+def _counting(
+    inner: Callable[..., Any], owner: str, names: dict, blocks: dict, phase: list
+) -> Callable[..., Any]:
     calls = [0]
 
     def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -488,7 +603,9 @@ def _slice(torch: Any, value: Any, batch: int, rows: int, name: str = "") -> Any
         if name in _NOT_BATCHED or value.dim() == 0 or value.shape[0] != batch:
             return value
         part = value[:rows].detach().clone()
-        return part.requires_grad_(True) if value.requires_grad and part.is_floating_point() else part
+        return (
+            part.requires_grad_(True) if value.requires_grad and part.is_floating_point() else part
+        )
     if isinstance(value, dict):
         return {k: _slice(torch, v, batch, rows, k) for k, v in value.items()}
     if isinstance(value, tuple):

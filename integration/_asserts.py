@@ -1,4 +1,5 @@
 """Assertions shared by the integration tests."""
+
 from __future__ import annotations
 
 from _run import Run
@@ -9,7 +10,9 @@ def assert_installed_gcpatch_ran(run: Run) -> None:
     result = run.result
     assert result["env_GCPATCH"] == "1"
     assert result["gcpatch_loaded"], run.describe()
-    assert "site-packages" in result["gcpatch_file"], f"not the installed gcpatch: {result['gcpatch_file']}"
+    assert "site-packages" in result["gcpatch_file"], (
+        f"not the installed gcpatch: {result['gcpatch_file']}"
+    )
 
 
 def assert_plain(run: Run) -> None:
@@ -23,8 +26,11 @@ def assert_plain(run: Run) -> None:
 
 
 def enable_records(run: Run, source: str | None = None) -> list[dict]:
-    return [r for r in run.records()
-            if r.get("stage") == "enable" and (source is None or r.get("source") == source)]
+    return [
+        r
+        for r in run.records()
+        if r.get("stage") == "enable" and (source is None or r.get("source") == source)
+    ]
 
 
 def assert_explained(run: Run, *needles: str) -> str:
@@ -52,8 +58,11 @@ def assert_explain_lists_every_decision(run: Run) -> str:
     that chose use_reentrant, for every rank."""
     records = [r for r in run.records() if r.get("stage") == "enable"]
     out = assert_explained(run)
-    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("gcpatch: rank ")
-             and "(" in line and ", enable)" in line]
+    lines = [
+        line.strip()
+        for line in out.splitlines()
+        if line.strip().startswith("gcpatch: rank ") and "(" in line and ", enable)" in line
+    ]
     assert len(lines) == len(records), f"{len(records)} records, {len(lines)} explain lines:\n{out}"
     for line, rec in zip(lines, records):
         assert f"use_reentrant: {winner(rec)}:" in line, f"{winner(rec)} not named in: {line}"

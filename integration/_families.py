@@ -4,6 +4,7 @@ test_families.py checks: plain transformers and GCPATCH=1.
 Regenerate (after installing this checkout into the venv, on the transformers the doc names):
     python integration/_families.py --write
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,8 +16,27 @@ DOC = ROOT / "docs" / "FAMILIES.md"
 COMMAND = "python integration/_families.py --write"
 
 # The families in table order; scripts/families.py builds each from a config.
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma2", "gemma3", "phi3", "gpt_neox", "gpt2",
-            "t5", "bart", "whisper", "bert", "vit", "clip", "llava", "qwen2_vl", "peft_lora")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mixtral",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "gpt_neox",
+    "gpt2",
+    "t5",
+    "bart",
+    "whisper",
+    "bert",
+    "vit",
+    "clip",
+    "llava",
+    "qwen2_vl",
+    "peft_lora",
+)
 
 # What is frozen in each family's partially frozen set-up (scripts/families.py FREEZE).
 FROZEN = {
@@ -71,7 +91,9 @@ def render(gc: dict, plain: dict) -> str:
     for name in FAMILIES:
         g, p = fams_gc.get(name, {}), fams_plain.get(name, {})
         if "setup_error" in g or "setup_error" in p or not g:
-            lines.append(f"| {name} | | | set-up error | {g.get('setup_error', 'missing')} | {p.get('setup_error', '')} |")
+            lines.append(
+                f"| {name} | | | set-up error | {g.get('setup_error', 'missing')} | {p.get('setup_error', '')} |"
+            )
             continue
         stacks = ", ".join(f"`{k}` ({v})" for k, v in g["cache"]["stacks"].items())
         label = f"{name}: {g['label']}"
@@ -81,20 +103,30 @@ def render(gc: dict, plain: dict) -> str:
             setup = f"{kind}, reentrant asked, `{path}`"
             gc_cell = f"{grads_cell(g[key])} ({reentrant_cell(g[key])})"
             plain_cell = f"{grads_cell(p[key])} ({reentrant_cell(p[key])})"
-            lines.append(f"| {label if first else ''} | {stacks if first else ''} | "
-                         f"{FROZEN.get(name, 'input embeddings') if first else ''} | {setup} | {gc_cell} | {plain_cell} |")
+            lines.append(
+                f"| {label if first else ''} | {stacks if first else ''} | "
+                f"{FROZEN.get(name, 'input embeddings') if first else ''} | {setup} | {gc_cell} | {plain_cell} |"
+            )
             first = False
-        lines.append(f"| | | | eval/train bytes | {g['eval']['ratio_eval_to_train']:.2f} | "
-                     f"**{p['eval']['ratio_eval_to_train']:.2f}** |")
+        lines.append(
+            f"| | | | eval/train bytes | {g['eval']['ratio_eval_to_train']:.2f} | "
+            f"**{p['eval']['ratio_eval_to_train']:.2f}** |"
+        )
         on_gc = ", ".join(f"`{c}`" for c in g["cache"]["use_cache_on"]) or "none"
         on_plain = ", ".join(f"`{c}`" for c in p["cache"]["use_cache_on"]) or "none"
         lines.append(f"| | | | use_cache on | {on_gc} | {on_plain} |")
         if g["cache"]["cache_default"] != "n/a":
-            lines.append(f"| | | | cache (default / asked) | {g['cache']['cache_default']} / {g['cache']['cache_asked']} "
-                         f"| {p['cache']['cache_default']} / {p['cache']['cache_asked']} |")
-    lines += ["", "Plain figures in bold are the silent failures gcpatch fixes; `none` for the default cache "
-              "is R6 (`use_cache` off under checkpointing), and `full` when asked is the forward that asks "
-              "for a cache keeping the user's eval mode (R5 steps aside, as transformers would drop it).", ""]
+            lines.append(
+                f"| | | | cache (default / asked) | {g['cache']['cache_default']} / {g['cache']['cache_asked']} "
+                f"| {p['cache']['cache_default']} / {p['cache']['cache_asked']} |"
+            )
+    lines += [
+        "",
+        "Plain figures in bold are the silent failures gcpatch fixes; `none` for the default cache "
+        "is R6 (`use_cache` off under checkpointing), and `full` when asked is the forward that asks "
+        "for a cache keeping the user's eval mode (R5 steps aside, as transformers would drop it).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -109,12 +141,19 @@ def readme_block(gc: dict) -> str:
     for name in FAMILIES:
         fam = gc["families"].get(name, {})
         cases = [v for k, v in fam.items() if k.startswith(("frozen/", "trainable/"))]
-        ok = (cases and all(not c["wrong"] and not c.get("error") for c in cases)
-              and 0.9 <= fam["eval"]["ratio_eval_to_train"] <= 1.1 and not fam["cache"]["use_cache_on"])
+        ok = (
+            cases
+            and all(not c["wrong"] and not c.get("error") for c in cases)
+            and 0.9 <= fam["eval"]["ratio_eval_to_train"] <= 1.1
+            and not fam["cache"]["use_cache_on"]
+        )
         if ok:
             proven.append(fam["label"].split(" (")[0])
-    return (f"{README_START}\nProven on transformers {gc['transformers']} ({len(proven)} of {len(FAMILIES)}): "
-            + ", ".join(proven) + f". Details per input path: [docs/FAMILIES.md](docs/FAMILIES.md).\n{README_END}")
+    return (
+        f"{README_START}\nProven on transformers {gc['transformers']} ({len(proven)} of {len(FAMILIES)}): "
+        + ", ".join(proven)
+        + f". Details per input path: [docs/FAMILIES.md](docs/FAMILIES.md).\n{README_END}"
+    )
 
 
 def write_readme(gc: dict) -> None:
@@ -123,7 +162,7 @@ def write_readme(gc: dict) -> None:
     start, end = text.find(README_START), text.find(README_END)
     if start == -1 or end == -1:
         raise SystemExit(f"README.md lacks the markers {README_START!r} ... {README_END!r}")
-    path.write_text(text[:start] + readme_block(gc) + text[end + len(README_END):])
+    path.write_text(text[:start] + readme_block(gc) + text[end + len(README_END) :])
 
 
 def run_both() -> tuple[dict, dict]:
@@ -131,7 +170,10 @@ def run_both() -> tuple[dict, dict]:
     from _run import Spec, run_script
 
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run_script(Spec("families.py", gcpatch=g), Path(tmp) / ("gc" if g else "plain")) for g in (True, False)]
+        runs = [
+            run_script(Spec("families.py", gcpatch=g), Path(tmp) / ("gc" if g else "plain"))
+            for g in (True, False)
+        ]
     for run in runs:
         if not run.result:
             raise SystemExit(run.describe())

@@ -4,6 +4,7 @@ directory (so the INSTALLED gcpatch is the one that runs, never the checkout), H
 and either GCPATCH=0 (the plain run) or GCPATCH=1 with GCPATCH_RECORD=<dir>. Nothing here
 imports gcpatch.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,19 @@ from pathlib import Path
 
 from packaging.version import Version
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # scripts run outside pytest too
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent / "tests")
+)  # scripts run outside pytest too
 from harness import child_env, free_port, parse_results, torchrun_argv  # noqa: E402
 from harness import run as harness_run  # noqa: E402
 from warm_starts import summary as warm_starts_summary  # noqa: E402, F401 - conftest reads it from here
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # A decision's short line on the console (gcpatch/headline.py)
-DECISION_LINE = re.compile(r"gcpatch: (checkpoint call at \S+|[\w.-]+( \([\w.-]+\))?): "
-                           r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|bound tensors|left as asked)")
+DECISION_LINE = re.compile(
+    r"gcpatch: (checkpoint call at \S+|[\w.-]+( \([\w.-]+\))?): "
+    r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|bound tensors|left as asked)"
+)
 BLUNT = Path(__file__).resolve().parent / "blunt"  # sitecustomize.py: the force-non-reentrant patch
 TIMEOUT_S = 300
 # torch 2.13's gloo may abort a rank as the interpreter exits when the job never destroyed its process
@@ -68,8 +73,11 @@ def outside_plugin_range(plugin: str, dist: str | None = None) -> str:
     except metadata.PackageNotFoundError:
         return f"{dist} not installed"
     spec = plugin_range(plugin)
-    return "" if installed in SpecifierSet(spec) else \
-        f"{dist} {installed} is outside the {plugin} plugin's range {spec}: gcpatch skips the plugin there"
+    return (
+        ""
+        if installed in SpecifierSet(spec)
+        else f"{dist} {installed} is outside the {plugin} plugin's range {spec}: gcpatch skips the plugin there"
+    )
 
 
 # How a script is started: a plain interpreter, `torch.distributed.run --nproc_per_node=2` (gloo,
@@ -87,7 +95,9 @@ class Spec:
     gcpatch: bool = True
     env: tuple[tuple[str, str], ...] = ()
     launcher: str = "python"
-    blunt: bool = False  # GCPATCH=0 with the force-non-reentrant patch (integration/blunt) on PYTHONPATH
+    blunt: bool = (
+        False  # GCPATCH=0 with the force-non-reentrant patch (integration/blunt) on PYTHONPATH
+    )
 
     def plain(self) -> "Spec":
         """The same run with GCPATCH=0: gcpatch's own variables (GCPATCH_MODE, ...) are dropped, so
@@ -127,31 +137,48 @@ class Run:
         """Every JSONL record gcpatch wrote under GCPATCH_RECORD, in file order."""
         entries = []
         for path in sorted(self.record_dir.glob("*.jsonl")):
-            entries.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+            entries.extend(
+                json.loads(line) for line in path.read_text().splitlines() if line.strip()
+            )
         return entries
 
     def records_by_rank(self) -> dict[int, list[dict]]:
         """{rank: that rank's JSONL records}, from the file names gcpatch-rank<N>.jsonl."""
         out = {}
         for path in sorted(self.record_dir.glob("gcpatch-rank*.jsonl")):
-            rank = int(path.stem[len("gcpatch-rank"):])
+            rank = int(path.stem[len("gcpatch-rank") :])
             out[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return out
 
     def explain(self, verbose: bool = True) -> subprocess.CompletedProcess:
         """`gcpatch explain` (with -v by default: the detail lines name what was asked and applied)."""
-        return subprocess.run([sys.executable, "-m", "gcpatch", "explain", *(["-v"] if verbose else []),
-                               str(self.record_dir)],
-                              cwd=self.record_dir.parent, env=child_env(), capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gcpatch",
+                "explain",
+                *(["-v"] if verbose else []),
+                str(self.record_dir),
+            ],
+            cwd=self.record_dir.parent,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     def exited_cleanly(self) -> bool:
         """Exit 0, or a distributed run whose every rank printed its RESULT and then lost a rank to
         gloo's teardown abort (TEARDOWN_ABORT, SIGABRT): the figures are complete, the abort came after."""
         if self.returncode == 0:
             return True
-        return (self.spec.launcher == "torchrun2" and len(self.results) == expected_results(self.spec)
-                and TEARDOWN_ABORT in self.stderr and "exitcode  : -6" in self.stderr)
+        return (
+            self.spec.launcher == "torchrun2"
+            and len(self.results) == expected_results(self.spec)
+            and TEARDOWN_ABORT in self.stderr
+            and "exitcode  : -6" in self.stderr
+        )
 
     def describe(self) -> str:
         return f"{self.spec.label()} rc={self.returncode} ({self.wall_s:.1f} s)\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-4000:]}"
@@ -165,9 +192,16 @@ def command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     if spec.launcher == "torchrun2":
         return torchrun_argv(2, *script), {}
     if spec.launcher == "deepspeed1":
-        return [sys.executable, *script], dict(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
-                                               MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                                               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", DS_BUILD_OPS="0")
+        return [sys.executable, *script], dict(
+            DS_ACCELERATOR="cpu",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            DS_BUILD_OPS="0",
+        )
     raise ValueError(f"unknown launcher {spec.launcher!r}")
 
 
@@ -182,9 +216,14 @@ def run_script(spec: Spec, workdir: Path) -> Run:
     workdir.mkdir(parents=True, exist_ok=True)
     record_dir = workdir / "gcpatch-record"
     argv, launch_env = command(spec)
-    env = child_env(GCPATCH_RECORD=str(record_dir), **launch_env,
-                    **{"GCPATCH": "1" if spec.gcpatch else "0", **dict(spec.env)})
-    if env.get("GCPATCH") == "unset":  # a script that switches gcpatch on by an explicit `import gcpatch`
+    env = child_env(
+        GCPATCH_RECORD=str(record_dir),
+        **launch_env,
+        **{"GCPATCH": "1" if spec.gcpatch else "0", **dict(spec.env)},
+    )
+    if (
+        env.get("GCPATCH") == "unset"
+    ):  # a script that switches gcpatch on by an explicit `import gcpatch`
         del env["GCPATCH"]
     if spec.blunt:
         env["PYTHONPATH"] = str(BLUNT)
@@ -193,7 +232,9 @@ def run_script(spec: Spec, workdir: Path) -> Run:
     run = Run(spec, proc.returncode, proc.stdout, proc.stderr, record_dir, time.monotonic() - start)
     results = parse_results(proc.stdout)
     # a distributed run whose ranks crashed may still exit non-zero after printing its RESULT lines
-    if len(results) == expected_results(spec) and (proc.returncode == 0 or spec.launcher != "python"):
+    if len(results) == expected_results(spec) and (
+        proc.returncode == 0 or spec.launcher != "python"
+    ):
         run.results = sorted(results, key=lambda r: r.get("rank", 0))
         run.result = run.results[0]
     return run

@@ -9,6 +9,7 @@ It runs each test module's `RUNS` in the three ways with the suite's own runner 
 script's RESULT line: a crash, gradients that differ from the no-checkpointing reference, memory
 not saved, a layer run more often than forward + one recompute, a user's choice not kept.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,18 +38,24 @@ def specs() -> list[Spec]:
         try:
             module = importlib.import_module(path.stem)
         except BaseException as exc:  # noqa: BLE001 (pytest.skip at import raises a BaseException)
-            print(f"skipped {path.name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                  file=sys.stderr)
+            print(
+                f"skipped {path.name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                file=sys.stderr,
+            )
             continue
         runs = getattr(module, "RUNS", ())
         for spec in runs.values() if isinstance(runs, dict) else runs:
-            if not dict(spec.env).get("GCPATCH_MODE") and spec not in found:  # the default mode only
+            if (
+                not dict(spec.env).get("GCPATCH_MODE") and spec not in found
+            ):  # the default mode only
                 found.append(spec)
     return found
 
 
 def variant(spec: Spec, mode: str) -> Spec:
-    return {"plain": spec.plain, "blunt": spec.forced_non_reentrant, "gcpatch": lambda: spec}[mode]()
+    return {"plain": spec.plain, "blunt": spec.forced_non_reentrant, "gcpatch": lambda: spec}[
+        mode
+    ]()
 
 
 def verdict(run: Run) -> str:
@@ -72,7 +79,9 @@ def _problems(r: dict) -> list[str]:
         return [f"crash: {_short(error)}"]
     out = []
     steps = r.get("steps") or [r]
-    wrong = max((s.get("wrong") or s.get("grads_wrong") or s.get("wrong_grads") or 0) for s in steps)
+    wrong = max(
+        (s.get("wrong") or s.get("grads_wrong") or s.get("wrong_grads") or 0) for s in steps
+    )
     if wrong:
         out.append(f"{wrong} of {steps[0].get('trainable', '?')} gradients wrong")
     if any(s.get("loss_equal") is False for s in steps):
@@ -105,30 +114,52 @@ def label(spec: Spec) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="a file, or - to print only "
-                        "(default: integration/comparison/<stack>.md, the stack named by its versions)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="a file, or - to print only "
+        "(default: integration/comparison/<stack>.md, the stack named by its versions)",
+    )
     parser.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     args = parser.parse_args()
     todo = specs()
     base = Path(tempfile.mkdtemp(prefix="gcpatch-compare-"))
     with ThreadPoolExecutor(args.workers) as pool:
-        futures = {(spec, mode): pool.submit(run_script, variant(spec, mode), base / f"run{i:03d}{mode}")
-                   for i, spec in enumerate(todo) for mode in MODES}
+        futures = {
+            (spec, mode): pool.submit(run_script, variant(spec, mode), base / f"run{i:03d}{mode}")
+            for i, spec in enumerate(todo)
+            for mode in MODES
+        }
         cells = {key: verdict(future.result()) for key, future in futures.items()}
-    versions = ", ".join(f"{d} {_version(d)}" for d in ("torch", "transformers", "peft", "trl", "deepspeed",
-                                                         "axolotl", "colossalai") if _version(d))
-    lines = [f"Measured with {versions}, Python {platform.python_version()}; "
-             "regenerate with `python integration/compare.py` in a tox env (`.tox/<env>/bin/python`).", "",
-             "| set-up | plain | force non-reentrant | gcpatch |", "| --- | --- | --- | --- |"]
+    versions = ", ".join(
+        f"{d} {_version(d)}"
+        for d in ("torch", "transformers", "peft", "trl", "deepspeed", "axolotl", "colossalai")
+        if _version(d)
+    )
+    lines = [
+        f"Measured with {versions}, Python {platform.python_version()}; "
+        "regenerate with `python integration/compare.py` in a tox env (`.tox/<env>/bin/python`).",
+        "",
+        "| set-up | plain | force non-reentrant | gcpatch |",
+        "| --- | --- | --- | --- |",
+    ]
     lines += [f"| {label(s)} | " + " | ".join(cells[(s, m)] for m in MODES) + " |" for s in todo]
-    worse = [s for s in todo if cells[(s, "gcpatch")] != "correct" and cells[(s, "blunt")] == "correct"]
-    lines += ["", f"gcpatch worse than the blunt patch on correctness: {len(worse)} set-up(s)"
-              + (": " + ", ".join(label(s) for s in worse) if worse else ".")]
+    worse = [
+        s for s in todo if cells[(s, "gcpatch")] != "correct" and cells[(s, "blunt")] == "correct"
+    ]
+    lines += [
+        "",
+        f"gcpatch worse than the blunt patch on correctness: {len(worse)} set-up(s)"
+        + (": " + ", ".join(label(s) for s in worse) if worse else "."),
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out != "-":
-        stack = "-".join(f"{d}{_version(d)}" for d in ("transformers", "deepspeed", "axolotl", "colossalai")
-                         if _version(d))
+        stack = "-".join(
+            f"{d}{_version(d)}"
+            for d in ("transformers", "deepspeed", "axolotl", "colossalai")
+            if _version(d)
+        )
         out = Path(args.out) if args.out else HERE / "comparison" / f"{stack}.md"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)

@@ -3,6 +3,7 @@ session and shared by the tests that read it. The runs a test module lists in `R
 started in the background as soon as the first test asks for one, as many at a time as there
 are CPU cores; each starts warm where it can (tests/warm_starts.py: a fork of an interpreter that
 has already imported the frameworks, which are most of a tiny run's cost)."""
+
 from __future__ import annotations
 
 import os
@@ -25,16 +26,27 @@ class ScriptRuns:
             self._futures[spec] = self._pool.submit(run_script, spec, workdir)
         return self._futures[spec]
 
-    def get(self, script: str, *args: str, gcpatch: bool, env: dict[str, str] | None = None,
-            launcher: str = "python", exit_ok: bool = True, blunt: bool = False) -> Run:
+    def get(
+        self,
+        script: str,
+        *args: str,
+        gcpatch: bool,
+        env: dict[str, str] | None = None,
+        launcher: str = "python",
+        exit_ok: bool = True,
+        blunt: bool = False,
+    ) -> Run:
         """The run's RESULT; `exit_ok=False` accepts a non-zero exit (ranks that crashed after
         printing their RESULT lines, as a plain DDP failure does), otherwise only gloo's teardown
         abort after every RESULT is (`Run.exited_cleanly`); `blunt` runs it plain with the
         force-non-reentrant patch."""
-        spec = Spec(script, tuple(args), gcpatch, tuple(sorted((env or {}).items())), launcher, blunt)
+        spec = Spec(
+            script, tuple(args), gcpatch, tuple(sorted((env or {}).items())), launcher, blunt
+        )
         run = self.submit(spec).result()
-        assert (run.exited_cleanly() or not exit_ok) and run.result, \
+        assert (run.exited_cleanly() or not exit_ok) and run.result, (
             f"script failed or printed no single RESULT line\n{run.describe()}"
+        )
         return run
 
     def close(self) -> None:
@@ -53,7 +65,9 @@ def script_runs(request, tmp_path_factory) -> ScriptRuns:
         if module is not None and module not in seen:
             seen.append(module)
     for module in seen:
-        if getattr(module, "OUT_OF_RANGE", ""):  # skipped on this release, with that reason: nothing to run
+        if getattr(
+            module, "OUT_OF_RANGE", ""
+        ):  # skipped on this release, with that reason: nothing to run
             continue
         for spec in getattr(module, "RUNS", ()):
             runs.submit(spec)
@@ -74,12 +88,27 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         if not future.done() or future.cancelled():
             continue
         run = future.result()
-        keys = ("wrong", "applied_use_reentrant", "error_type", "losses", "wrong_per_step", "train_losses", "ratio_eval_gc_to_train_gc", "dropout_flags_unchanged",
-                "loss_equal_eval_nogc", "use_reentrant_after", "tokens_equal")
+        keys = (
+            "wrong",
+            "applied_use_reentrant",
+            "error_type",
+            "losses",
+            "wrong_per_step",
+            "train_losses",
+            "ratio_eval_gc_to_train_gc",
+            "dropout_flags_unchanged",
+            "loss_equal_eval_nogc",
+            "use_reentrant_after",
+            "tokens_equal",
+        )
         figures = {k: run.result[k] for k in keys if k in run.result}
         terminalreporter.write_line(f"{run.wall_s:5.1f}s  {spec.label()}  {figures}")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "zero3: DeepSpeed ZeRO-3 integration runs (tox envs ds0189/ds0193)")
-    config.addinivalue_line("markers", "distributed: runs two processes with torch.distributed.run (gloo)")
+    config.addinivalue_line(
+        "markers", "zero3: DeepSpeed ZeRO-3 integration runs (tox envs ds0189/ds0193)"
+    )
+    config.addinivalue_line(
+        "markers", "distributed: runs two processes with torch.distributed.run (gloo)"
+    )

@@ -17,6 +17,7 @@
 
 Nine `axolotl train` processes in all (two of them refused at validation), shared by the tests.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,7 +27,17 @@ import pytest
 pytest.importorskip("axolotl")
 
 from _asserts import assert_explained  # noqa: E402
-from _framework_runs import Pool, build_tiny, report, gcpatch_cli, max_abs_diff, output, run_axolotl, tail, workers  # noqa: E402
+from _framework_runs import (
+    Pool,
+    build_tiny,
+    gcpatch_cli,
+    max_abs_diff,
+    output,
+    report,
+    run_axolotl,
+    tail,
+    workers,
+)  # noqa: E402
 
 REFUSED_PLAIN = "`use_reentrant` must be false when used with partially frozen model"
 # key: (config, gcpatch, extra env)
@@ -50,7 +61,12 @@ def ax_runs(request, tmp_path_factory):
     tiny = build_tiny(base / "tiny")
     pool = Pool(workers())
     for i, (key, (config, gcpatch, env)) in enumerate(RUNS.items()):
-        pool.submit(key, lambda c=config, g=gcpatch, e=env, d=base / f"run{i:02d}-{key}": run_axolotl(c, tiny, d, g, e))
+        pool.submit(
+            key,
+            lambda c=config, g=gcpatch, e=env, d=base / f"run{i:02d}-{key}": run_axolotl(
+                c, tiny, d, g, e
+            ),
+        )
     yield pool
     report(request, "axolotl", pool)
     pool.close()
@@ -58,7 +74,9 @@ def ax_runs(request, tmp_path_factory):
 
 def trained(pool: Pool, key: str):
     run = pool.get(key)
-    assert run.returncode == 0 and run.result, f"axolotl did not train or dumped no gradients\n{tail(run)}"
+    assert run.returncode == 0 and run.result, (
+        f"axolotl did not train or dumped no gradients\n{tail(run)}"
+    )
     return run
 
 
@@ -71,7 +89,10 @@ def _kept_config_decision(enable: dict) -> bool:
     the model-level facts make R1 a recommendation or silent) or R1 again."""
     won = enable["decision"]["winners"]["use_reentrant"]
     if won["rule"] == "USER":
-        return won["value"] is False and enable["asked"]["from"] == "TrainingArguments.gradient_checkpointing_kwargs"
+        return (
+            won["value"] is False
+            and enable["asked"]["from"] == "TrainingArguments.gradient_checkpointing_kwargs"
+        )
     return won["rule"] == "R1" and won["value"] is False
 
 
@@ -89,7 +110,9 @@ def test_gcpatch_trains_unfrozen_reentrant_with_reference_gradients(ax_runs):
     run = trained(ax_runs, "unfrozen-gcpatch")
     ref = trained(ax_runs, "unfrozen-nogc-reference")
     r, q = run.result, ref.result
-    assert r["env_GCPATCH"] == "1" and r["gcpatch_loaded"] and "site-packages" in r["gcpatch_file"], r
+    assert (
+        r["env_GCPATCH"] == "1" and r["gcpatch_loaded"] and "site-packages" in r["gcpatch_file"]
+    ), r
     assert q["env_GCPATCH"] == "0" and not q["gcpatch_loaded"], q
     assert r["step"] == 0 and r["max_grad_norm"] == 0
     assert r["checkpointing"] is True and r["use_reentrant"] is False
@@ -105,7 +128,10 @@ def test_gcpatch_trains_unfrozen_reentrant_with_reference_gradients(ax_runs):
 def test_gradient_checkpointing_false_stays_off_and_trains_as_without_gcpatch(ax_runs):
     # The user's "off" is final and leaves no trace: no layer checkpoints, the config's use_cache is
     # Axolotl's own, no enable is decided, and the first step's gradients are bit-identical.
-    run, ref = trained(ax_runs, "unfrozen-nogc-gcpatch"), trained(ax_runs, "unfrozen-nogc-reference")
+    run, ref = (
+        trained(ax_runs, "unfrozen-nogc-gcpatch"),
+        trained(ax_runs, "unfrozen-nogc-reference"),
+    )
     r, q = run.result, ref.result
     assert r["env_GCPATCH"] == "1" and r["gcpatch_loaded"], r
     assert r["checkpointing"] is False and q["checkpointing"] is False
@@ -132,7 +158,9 @@ def test_gcpatch_records_the_config_decision_r1(ax_runs):
     assert enables and all(e["applied"]["use_reentrant"] is False for e in enables), enables
     assert all(_kept_config_decision(e) for e in enables), enables
     # fix mode's warning, through Axolotl's logging set-up (which prints only warnings of other loggers)
-    assert "[gcpatch]" in output(run) and "R1 overrules your use_reentrant=True" in output(run), tail(run)
+    assert "[gcpatch]" in output(run) and "R1 overrules your use_reentrant=True" in output(run), (
+        tail(run)
+    )
     assert_explained(run, "R1", "use_reentrant=False", "(config, config)")
 
 
@@ -162,7 +190,9 @@ def test_gcpatch_lora_and_qlora_train_with_the_rules_choice(ax_runs, key, adapte
     assert enables, records(run)
     final = enables[-1]
     assert final["applied"]["use_reentrant"] is False and _kept_config_decision(final), final
-    if adapter == "qlora":  # the enable inside peft's prepare_model_for_kbit_training is recorded as peft's
+    if (
+        adapter == "qlora"
+    ):  # the enable inside peft's prepare_model_for_kbit_training is recorded as peft's
         inside = [e for e in enables if e["source"] == "peft.prepare_model_for_kbit_training"]
         assert len(inside) == 1, [e["source"] for e in enables]
         assert inside[0]["facts"]["kbit"] is True
@@ -175,7 +205,9 @@ def test_doctor_lists_the_axolotl_plugin():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     plugin = [line for line in lines if line.strip().startswith("axolotl:")]
-    assert plugin and "active axolotl 0.19" in plugin[0] and "(supports >=0.10,<1)" in plugin[0], proc.stdout
+    assert plugin and "active axolotl 0.19" in plugin[0] and "(supports >=0.10,<1)" in plugin[0], (
+        proc.stdout
+    )
     assert any("axolotl.utils.config.validate_config: live" in line for line in lines), proc.stdout
 
 
@@ -185,20 +217,32 @@ def test_decision_lines_show_on_axolotl_console(ax_runs):
     once each, short, without touching Axolotl's configuration."""
     run = trained(ax_runs, "lora-gcpatch")
     lines = [line for line in run.stderr.splitlines() if line.startswith("gcpatch: ")]
-    assert "gcpatch: tiny (config): use_reentrant True -> False (R1: partly frozen: layers would get no gradients)" \
-        in lines, tail(run)
+    assert (
+        "gcpatch: tiny (config): use_reentrant True -> False (R1: partly frozen: layers would get no gradients)"
+        in lines
+    ), tail(run)
     assert all(len(line) <= 120 for line in lines) and len(lines) == len(set(lines)), lines
-    assert not any(line.startswith("gcpatch: ") for line in run.stdout.splitlines()), tail(run)  # not twice
+    assert not any(line.startswith("gcpatch: ") for line in run.stdout.splitlines()), tail(
+        run
+    )  # not twice
 
 
 def test_embeddings_skip_upcast_replacement_is_wrapped_again(ax_runs):
     plain = trained(ax_runs, "skip-upcast-plain")
     run = trained(ax_runs, "skip-upcast-gcpatch")
     # plainly, Axolotl's exec'd copy replaces peft's function; under gcpatch it runs inside gcpatch's wrapper
-    assert plain.result["kbit_prep"] == {"type": "function", "function": "fixed_prepare_model_for_kbit_training"}
-    assert run.result["kbit_prep"] == {"type": "_GcpatchWrapper", "function": "fixed_prepare_model_for_kbit_training"}
+    assert plain.result["kbit_prep"] == {
+        "type": "function",
+        "function": "fixed_prepare_model_for_kbit_training",
+    }
+    assert run.result["kbit_prep"] == {
+        "type": "_GcpatchWrapper",
+        "function": "fixed_prepare_model_for_kbit_training",
+    }
     told = [line for line in output(run).splitlines() if "was rebound by another tool" in line]
-    assert len(told) == 1 and "fixed_prepare_model_for_kbit_training" in told[0], tail(run)  # said once
+    assert len(told) == 1 and "fixed_prepare_model_for_kbit_training" in told[0], tail(
+        run
+    )  # said once
     # the enable inside Axolotl's replacement is still decided as peft's kbit preparation (P1, R1)
     enables = records(run, "enable")
     inside = [e for e in enables if e["source"] == "peft.prepare_model_for_kbit_training"]

@@ -14,6 +14,7 @@ with GCPATCH=1 and no code change, against the plain run and the blunt force-non
   mode torch's error carries gcpatch's note naming the fix.
 - prebound: a partial of torch's checkpoint built before an explicit `import gcpatch`: rebound.
 """
+
 from __future__ import annotations
 
 from _asserts import assert_explained, assert_plain
@@ -21,11 +22,14 @@ from _run import Spec
 
 SCRIPT = "bound_inputs.py"
 ALL = "bound,shared_bias,mllama_shared,autograd_grad"
-RUNS = [Spec(SCRIPT, ("--cases", ALL)), Spec(SCRIPT, ("--cases", "mllama")),
-        Spec(SCRIPT, ("--cases", "bound,autograd_grad"), env=(("GCPATCH_MODE", "warn"),)),
-        Spec(SCRIPT, ("--cases", "bound"), env=(("GCPATCH_MODE", "strict"),)),
-        Spec(SCRIPT, ("--cases", "bound"), env=(("GCPATCH_VERIFY", "1"),)),
-        Spec(SCRIPT, ("--cases", "prebound", "--import-gcpatch"), env=(("GCPATCH", "unset"),))]
+RUNS = [
+    Spec(SCRIPT, ("--cases", ALL)),
+    Spec(SCRIPT, ("--cases", "mllama")),
+    Spec(SCRIPT, ("--cases", "bound,autograd_grad"), env=(("GCPATCH_MODE", "warn"),)),
+    Spec(SCRIPT, ("--cases", "bound"), env=(("GCPATCH_MODE", "strict"),)),
+    Spec(SCRIPT, ("--cases", "bound"), env=(("GCPATCH_VERIFY", "1"),)),
+    Spec(SCRIPT, ("--cases", "prebound", "--import-gcpatch"), env=(("GCPATCH", "unset"),)),
+]
 
 
 def _get(script_runs, cases, gcpatch=True, **kw):
@@ -40,8 +44,13 @@ def test_bound_inputs_get_exact_gradients_where_plain_loses_or_crashes(script_ru
     plain = _get(script_runs, ALL, gcpatch=False)
     assert_plain(plain)
     assert (plain.result["bound"]["wrong"], plain.result["bound"]["trainable"]) == (14, 16)
-    assert (plain.result["shared_bias"]["wrong"], plain.result["shared_bias"]["trainable"]) == (10, 12)
-    assert plain.result["mllama_shared"]["error"].startswith("RuntimeError: Trying to backward through the graph")
+    assert (plain.result["shared_bias"]["wrong"], plain.result["shared_bias"]["trainable"]) == (
+        10,
+        12,
+    )
+    assert plain.result["mllama_shared"]["error"].startswith(
+        "RuntimeError: Trying to backward through the graph"
+    )
     blunt = _get(script_runs, ALL, gcpatch=False, blunt=True)
     run = _get(script_runs, ALL)
     for case in ("bound", "shared_bias", "mllama_shared"):
@@ -52,19 +61,30 @@ def test_bound_inputs_get_exact_gradients_where_plain_loses_or_crashes(script_ru
 def test_evidence_at_the_call_overrides_the_enable_time_ask_and_says_which_over_which(script_runs):
     run = _get(script_runs, ALL)
     enables = [r for r in run.records() if r.get("stage") == "enable"]
-    assert enables and all(r["applied"]["use_reentrant"] is True for r in enables)  # the enable kept the ask
+    assert enables and all(
+        r["applied"]["use_reentrant"] is True for r in enables
+    )  # the enable kept the ask
     calls = _call_records(run)
     ck1 = [r for r in calls if r["rules"] == ["CK1"]]
-    assert len(ck1) == 2 and all(r["applied"] == {"use_reentrant": False} for r in ck1), calls  # once per site
+    assert len(ck1) == 2 and all(r["applied"] == {"use_reentrant": False} for r in ck1), (
+        calls
+    )  # once per site
     assert all(r["facts"]["enable_decision"] == "USER" for r in ck1)
-    assert all("CK1 requires use_reentrant=False" in w and "decided at enable time" in w
-               for r in ck1 for w in r["decision"]["warnings"])
+    assert all(
+        "CK1 requires use_reentrant=False" in w and "decided at enable time" in w
+        for r in ck1
+        for w in r["decision"]["warnings"]
+    )
     [ck5] = [r for r in calls if r["rules"] == ["CK5"]]
-    assert ck5["applied"] == {"lift_bound_tensors": True} and ck5["facts"]["bound_graph_tensors"] == 1
+    assert (
+        ck5["applied"] == {"lift_bound_tensors": True} and ck5["facts"]["bound_graph_tensors"] == 1
+    )
     lines = run.gcpatch_lines()
     assert any("use_reentrant True -> False (CK1: " in line for line in lines), run.stderr
     assert any("bound tensors passed as inputs (CK5: " in line for line in lines), run.stderr
-    assert any("CK1 overrules your use_reentrant=True" in line for line in run.stderr.splitlines()), run.stderr
+    assert any(
+        "CK1 overrules your use_reentrant=True" in line for line in run.stderr.splitlines()
+    ), run.stderr
     assert_explained(run, "CK1", "CK5", "evidence at the call: it overrides USER")
 
 
@@ -77,14 +97,17 @@ def test_keyword_features_beside_a_positional_input_are_not_flipped(script_runs)
     # use_reentrant stays as asked at the call too; CK5 only hands the features over positionally (it cannot
     # see at the call whether a later layer shares them, which is where reentrant crashes)
     [call] = _call_records(run)
-    assert call["applied"] == {"lift_bound_tensors": True} and "use_reentrant" not in call["applied"], call
+    assert (
+        call["applied"] == {"lift_bound_tensors": True} and "use_reentrant" not in call["applied"]
+    ), call
 
 
 def test_warn_mode_keeps_the_ask_and_says_so_strict_raises_naming_the_rule(script_runs):
     warn = _get(script_runs, "bound,autograd_grad", env={"GCPATCH_MODE": "warn"})
     assert warn.result["bound"]["wrong"] == 14
-    assert any("warn mode keeps use_reentrant=True over CK1" in line for line in warn.stderr.splitlines()), \
-        warn.describe()
+    assert any(
+        "warn mode keeps use_reentrant=True over CK1" in line for line in warn.stderr.splitlines()
+    ), warn.describe()
     strict = _get(script_runs, "bound", env={"GCPATCH_MODE": "strict"})
     assert strict.result["bound"]["error"].startswith("GcpatchError: [CK1]"), strict.result
 
@@ -93,19 +116,35 @@ def test_verify_mode_confirms_the_corrected_call(script_runs):
     run = _get(script_runs, "bound", env={"GCPATCH_VERIFY": "1"})
     assert run.result["bound"]["wrong"] == 0
     [verified] = [r for r in run.records() if r.get("stage") == "verify"]
-    assert verified["verify"]["gradients_match"] and "gradients match (16 tensors" in verified["line"], verified
+    assert (
+        verified["verify"]["gradients_match"] and "gradients match (16 tensors" in verified["line"]
+    ), verified
 
 
-def test_autograd_grad_after_a_reentrant_ask_gets_exact_gradients_or_a_note_naming_the_fix(script_runs):
+def test_autograd_grad_after_a_reentrant_ask_gets_exact_gradients_or_a_note_naming_the_fix(
+    script_runs,
+):
     plain = _get(script_runs, ALL, gcpatch=False)
-    refused = "RuntimeError: When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"
-    assert plain.result["autograd_grad"]["error"].startswith(refused) and plain.result["autograd_grad"]["notes"] == []
+    refused = (
+        "RuntimeError: When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"
+    )
+    assert (
+        plain.result["autograd_grad"]["error"].startswith(refused)
+        and plain.result["autograd_grad"]["notes"] == []
+    )
     run = _get(script_runs, ALL)
-    assert run.result["autograd_grad"]["error"] is None and run.result["autograd_grad"]["wrong"] == 0, run.result
+    assert (
+        run.result["autograd_grad"]["error"] is None and run.result["autograd_grad"]["wrong"] == 0
+    ), run.result
     [grads] = [r for r in run.records() if r.get("stage") == "grads"]
     assert grads["rules"] == ["CK6"] and grads["entry"] == "torch.autograd.grad"
-    assert any("through reentrant checkpoints" in line and "(CK6" in line for line in run.stderr.splitlines())
-    warn = _get(script_runs, "bound,autograd_grad", env={"GCPATCH_MODE": "warn"})  # warn mode changes nothing
+    assert any(
+        "through reentrant checkpoints" in line and "(CK6" in line
+        for line in run.stderr.splitlines()
+    )
+    warn = _get(
+        script_runs, "bound,autograd_grad", env={"GCPATCH_MODE": "warn"}
+    )  # warn mode changes nothing
     assert warn.result["autograd_grad"]["error"].startswith(refused)
     [note] = warn.result["autograd_grad"]["notes"]
     assert note.startswith("gcpatch [reentrant_grad]") and "use_reentrant=False" in note, note
@@ -113,8 +152,12 @@ def test_autograd_grad_after_a_reentrant_ask_gets_exact_gradients_or_a_note_nami
 
 
 def test_a_partial_of_checkpoint_built_before_import_gcpatch_is_rebound(script_runs):
-    plain = script_runs.get(SCRIPT, "--cases", "prebound", "--import-gcpatch", gcpatch=False)  # GCPATCH=0: off
+    plain = script_runs.get(
+        SCRIPT, "--cases", "prebound", "--import-gcpatch", gcpatch=False
+    )  # GCPATCH=0: off
     assert plain.result["prebound"]["wrong"] == 8
-    run = script_runs.get(SCRIPT, "--cases", "prebound", "--import-gcpatch", gcpatch=True, env={"GCPATCH": "unset"})
+    run = script_runs.get(
+        SCRIPT, "--cases", "prebound", "--import-gcpatch", gcpatch=True, env={"GCPATCH": "unset"}
+    )
     assert run.result["prebound"]["wrong"] == 0, run.describe()
     assert [r["rules"] for r in _call_records(run)] == [["CK1"]]

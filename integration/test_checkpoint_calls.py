@@ -9,18 +9,29 @@ reentrant under gcpatch (the blunt patch changes it). Nested checkpoints: plain 
 inner block 3 times a step, gcpatch twice (CK2). FSDP2 + FSDP's reentrant checkpoint_wrapper around
 layers transformers also checkpoints: plain 3 runs a layer, gcpatch 2, gradients exact.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_explained, assert_plain
 from _run import Spec
 
 SCRIPT = "torch_checkpoint_calls.py"
-CASES = ("frozen_embedding", "context_fn", "context_fn_non_reentrant", "correct_reentrant", "nested")
-RUNS = [Spec(SCRIPT, ("--case", case)) for case in CASES] + \
-       [Spec(SCRIPT, ("--case", "frozen_embedding"), env=(("GCPATCH_MODE", m),)) for m in ("warn", "strict")] + \
-       [Spec("fsdp_nested.py", launcher="torchrun2")]
+CASES = (
+    "frozen_embedding",
+    "context_fn",
+    "context_fn_non_reentrant",
+    "correct_reentrant",
+    "nested",
+)
+RUNS = (
+    [Spec(SCRIPT, ("--case", case)) for case in CASES]
+    + [
+        Spec(SCRIPT, ("--case", "frozen_embedding"), env=(("GCPATCH_MODE", m),))
+        for m in ("warn", "strict")
+    ]
+    + [Spec("fsdp_nested.py", launcher="torchrun2")]
+)
 
 
 def _run(script_runs, case, gcpatch=True, **kw):
@@ -47,10 +58,14 @@ def test_warn_mode_only_says_it_and_strict_mode_raises_at_the_first_call(script_
     warn = _run(script_runs, "frozen_embedding", env={"GCPATCH_MODE": "warn"})
     assert warn.result["wrong"] == 12  # the call is left as made
     # one short line on the console, the full warning in the record
-    assert any("warn mode keeps use_reentrant=True over CK1" in line for line in warn.stderr.splitlines()), \
-        warn.describe()
-    assert any("CK1 requires use_reentrant=False" in text for r in _call_records(warn)
-               for text in r["decision"]["warnings"]), _call_records(warn)
+    assert any(
+        "warn mode keeps use_reentrant=True over CK1" in line for line in warn.stderr.splitlines()
+    ), warn.describe()
+    assert any(
+        "CK1 requires use_reentrant=False" in text
+        for r in _call_records(warn)
+        for text in r["decision"]["warnings"]
+    ), _call_records(warn)
     strict = _run(script_runs, "frozen_embedding", env={"GCPATCH_MODE": "strict"})
     assert strict.result["error"].startswith("GcpatchError: [CK1]"), strict.result
 
@@ -59,13 +74,21 @@ def test_selective_checkpointing_with_torch_default_runs_non_reentrant(script_ru
     plain = _run(script_runs, "context_fn", gcpatch=False)
     assert plain.result["error"].startswith("ValueError: Passing `context_fn`")
     run = _run(script_runs, "context_fn")
-    assert run.result["error"] is None and run.result["wrong"] == 0 and run.result["ran_reentrant"] is False
+    assert (
+        run.result["error"] is None
+        and run.result["wrong"] == 0
+        and run.result["ran_reentrant"] is False
+    )
     assert [r["rules"] for r in _call_records(run)] == [["CK3"]]
 
 
 def test_context_fn_call_asked_non_reentrant_is_never_switched(script_runs):
     run = _run(script_runs, "context_fn_non_reentrant")
-    assert run.result["error"] is None and run.result["wrong"] == 0 and run.result["ran_reentrant"] is False
+    assert (
+        run.result["error"] is None
+        and run.result["wrong"] == 0
+        and run.result["ran_reentrant"] is False
+    )
     assert _call_records(run) == []
 
 
@@ -88,10 +111,14 @@ def test_nested_checkpoint_recomputes_once(script_runs):
 @pytest.mark.distributed
 def test_fsdp2_checkpoint_wrapper_around_checkpointed_layers_runs_each_layer_twice(script_runs):
     plain = script_runs.get("fsdp_nested.py", gcpatch=False, launcher="torchrun2")
-    assert all(r["max_layer_runs"] == 3 and r["wrong"] == 0 for r in plain.results), plain.describe()
+    assert all(r["max_layer_runs"] == 3 and r["wrong"] == 0 for r in plain.results), (
+        plain.describe()
+    )
     run = script_runs.get("fsdp_nested.py", gcpatch=True, launcher="torchrun2")
     for result in run.results:
         assert result["error"] is None, result["error"]
-        assert result["max_layer_runs"] == 2 and result["wrong"] == 0 and result["trainable"] == 21, result
+        assert (
+            result["max_layer_runs"] == 2 and result["wrong"] == 0 and result["trainable"] == 21
+        ), result
     ck2 = [r for r in run.records() if r.get("stage") == "call" and r["rules"] == ["CK2"]]
     assert ck2 and all(r["site"].endswith(".py:" + r["site"].rsplit(":", 1)[1]) for r in ck2)

@@ -4,19 +4,27 @@ trains with the gradients of a model that never checkpointed. Before gcpatch's p
 copied as themselves, every case raised `NotImplementedError: object proxy must define
 __deepcopy__()` (or `__reduce__()`), TRL's create_reference_model included.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_installed_gcpatch_ran, assert_plain
 from _run import V5, Spec
 
 SCRIPT = "copies.py"
 RUNS = [Spec(SCRIPT)]
-CASES = ("hf_deepcopy_after_a_step", "hf_deepcopy_in_eval_mode_before_first_step",
-         "hf_deepcopy_in_eval_mode_after_first_step", "peft_lora_deepcopy", "fsdp_checkpoint_wrapper_deepcopy",
-         "fsdp_checkpoint_wrapper_torch_save", "partial_pickle_round_trip", "partial_model_torch_save",
-         "hf_torch_save", "trl_reference_model")
+CASES = (
+    "hf_deepcopy_after_a_step",
+    "hf_deepcopy_in_eval_mode_before_first_step",
+    "hf_deepcopy_in_eval_mode_after_first_step",
+    "peft_lora_deepcopy",
+    "fsdp_checkpoint_wrapper_deepcopy",
+    "fsdp_checkpoint_wrapper_torch_save",
+    "partial_pickle_round_trip",
+    "partial_model_torch_save",
+    "hf_torch_save",
+    "trl_reference_model",
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +39,9 @@ def runs(script_runs):
 def test_what_copies_plainly_copies_and_trains_exactly_with_gcpatch(runs, name):
     cases, plain = runs
     if "error" in plain[name] and name == "hf_torch_save":
-        assert V5 and "make_inputs_require_grads" in plain[name]["error"]  # transformers 5's own closure
+        assert (
+            V5 and "make_inputs_require_grads" in plain[name]["error"]
+        )  # transformers 5's own closure
         pytest.skip(f"plainly: {plain[name]['error']}")
     got = cases[name]
     assert "error" not in got, got
@@ -43,7 +53,10 @@ def test_what_copies_plainly_copies_and_trains_exactly_with_gcpatch(runs, name):
 def test_a_copy_made_before_the_first_step_is_decided_for_itself(runs):
     """R5 waits for the first training forward: the copy's own forward decides for the copy (its
     eval-mode layers checkpoint, as the original's would) and the original's check stays armed."""
-    got, plain = runs[0]["hf_deepcopy_in_eval_mode_before_first_step"], runs[1]["hf_deepcopy_in_eval_mode_before_first_step"]
+    got, plain = (
+        runs[0]["hf_deepcopy_in_eval_mode_before_first_step"],
+        runs[1]["hf_deepcopy_in_eval_mode_before_first_step"],
+    )
     assert got["copy_layers_checkpointing"] == 2 and plain["copy_layers_checkpointing"] == 0
     assert got["original_hooks_before"] == got["original_hooks_after"] == 1
 

@@ -2,32 +2,54 @@
 plain and under GCPATCH=1. Under gcpatch the same exception (type, message, the frames it was
 raised through; gcpatch's wrapper adds only its own frame) carries one note naming the likely
 cause, the rule, what gcpatch decided and the fix; it is recorded and `gcpatch explain` shows it."""
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain
 from _run import Spec
 
 SCRIPT = "crash_families.py"
 # family -> (GCPATCH_MODE, expected exception type, words of its message, rule named, what gcpatch decided)
 CASES = {
-    "recompute": ("fix", "torch.utils.checkpoint.CheckpointError", "A different number of tensors was saved",
-                  "R5", "applied use_reentrant=False"),
+    "recompute": (
+        "fix",
+        "torch.utils.checkpoint.CheckpointError",
+        "A different number of tensors was saved",
+        "R5",
+        "applied use_reentrant=False",
+    ),
     # warn mode keeps the user's use_reentrant=True over CK1 (the hidden states reach the checkpoint by keyword):
     # the set-up crashes as it would without gcpatch
-    "no_grad": ("warn", "builtins.RuntimeError", "element 0 of tensors does not require grad",
-                "CK1", "warn mode keeps the user's value"),
-    "twice": ("fix", "builtins.RuntimeError", "Trying to backward through the graph a second time",
-              "R6", "applied use_reentrant=False"),
+    "no_grad": (
+        "warn",
+        "builtins.RuntimeError",
+        "element 0 of tensors does not require grad",
+        "CK1",
+        "warn mode keeps the user's value",
+    ),
+    "twice": (
+        "fix",
+        "builtins.RuntimeError",
+        "Trying to backward through the graph a second time",
+        "R6",
+        "applied use_reentrant=False",
+    ),
 }
-FAMILY_IDS = {"recompute": "recompute_mismatch", "no_grad": "loss_without_grad", "twice": "backward_twice",
-              "ddp": "ddp_ready_twice"}
-RUNS = ([Spec(SCRIPT, ("--family", f), env=(("GCPATCH_MODE", mode),)) for f, (mode, *_) in CASES.items()]
-        + [Spec(SCRIPT, ("--family", "ddp"), env=(("GCPATCH_MODE", "warn"),), launcher="torchrun2")])
+FAMILY_IDS = {
+    "recompute": "recompute_mismatch",
+    "no_grad": "loss_without_grad",
+    "twice": "backward_twice",
+    "ddp": "ddp_ready_twice",
+}
+RUNS = [
+    Spec(SCRIPT, ("--family", f), env=(("GCPATCH_MODE", mode),)) for f, (mode, *_) in CASES.items()
+] + [Spec(SCRIPT, ("--family", "ddp"), env=(("GCPATCH_MODE", "warn"),), launcher="torchrun2")]
 
 
-def assert_explained_crash(run, plain, family: str, error_type: str, words: str, rule: str, decided: str) -> None:
+def assert_explained_crash(
+    run, plain, family: str, error_type: str, words: str, rule: str, decided: str
+) -> None:
     assert_installed_gcpatch_ran(run)
     assert_plain(plain)
     for r in (run.result, plain.result):
@@ -63,9 +85,20 @@ def test_crash_is_explained_on_the_unchanged_exception(script_runs, family):
 def test_ddp_mark_ready_twice_is_explained_on_every_rank(script_runs):
     """warn mode keeps reentrant under DDP(find_unused_parameters=True): R4 would have fixed it."""
     env = {"GCPATCH_MODE": "warn"}
-    run = script_runs.get(SCRIPT, "--family", "ddp", gcpatch=True, env=env, launcher="torchrun2", exit_ok=False)
-    plain = script_runs.get(SCRIPT, "--family", "ddp", gcpatch=False, launcher="torchrun2", exit_ok=False)
+    run = script_runs.get(
+        SCRIPT, "--family", "ddp", gcpatch=True, env=env, launcher="torchrun2", exit_ok=False
+    )
+    plain = script_runs.get(
+        SCRIPT, "--family", "ddp", gcpatch=False, launcher="torchrun2", exit_ok=False
+    )
     assert [r["rank"] for r in run.results] == [0, 1]
-    assert_explained_crash(run, plain, "ddp", "builtins.RuntimeError", "Expected to mark a variable ready only once",
-                           "R4", "warn mode keeps the user's value")
+    assert_explained_crash(
+        run,
+        plain,
+        "ddp",
+        "builtins.RuntimeError",
+        "Expected to mark a variable ready only once",
+        "R4",
+        "warn mode keeps the user's value",
+    )
     assert run.results[1]["notes"] == run.results[0]["notes"]

@@ -8,11 +8,16 @@ frozen loses 9 of 11 gradients on 4.57 and raises on 5.23. gcpatch: R4 (decided 
 the model) / R1 choose non-reentrant, both ranks finish with the reference gradients, and both ranks
 record the same decisions.
 """
+
 from __future__ import annotations
 
 import pytest
-
-from _asserts import assert_explain_lists_every_decision, assert_installed_gcpatch_ran, assert_plain, winner
+from _asserts import (
+    assert_explain_lists_every_decision,
+    assert_installed_gcpatch_ran,
+    assert_plain,
+    winner,
+)
 from _run import V5, Spec
 
 pytestmark = pytest.mark.distributed
@@ -31,7 +36,9 @@ FROZEN = [pytest.param("no", id="all-trainable"), pytest.param("yes", id="partia
 
 def _get(script_runs, frozen, gcpatch):
     # plain runs: a rank may abort in gloo after reporting the DDP error (exit status non-zero)
-    return script_runs.get(SCRIPT, "--frozen", frozen, gcpatch=gcpatch, launcher=LAUNCH, exit_ok=gcpatch)
+    return script_runs.get(
+        SCRIPT, "--frozen", frozen, gcpatch=gcpatch, launcher=LAUNCH, exit_ok=gcpatch
+    )
 
 
 @pytest.mark.parametrize("frozen", FROZEN)
@@ -53,7 +60,10 @@ def test_decision_is_r4_recorded_identically_on_both_ranks(script_runs, frozen):
     run = _get(script_runs, frozen, True)
     by_rank = run.records_by_rank()
     assert sorted(by_rank) == [0, 1], run.describe()
-    strip = [[{k: v for k, v in rec.items() if k not in RANK_FIELDS} for rec in by_rank[rank]] for rank in (0, 1)]
+    strip = [
+        [{k: v for k, v in rec.items() if k not in RANK_FIELDS} for rec in by_rank[rank]]
+        for rank in (0, 1)
+    ]
     assert strip[0] == strip[1]
     enables = [r for r in by_rank[0] if r["stage"] == "enable"]
     first, last = enables[0], enables[-1]

@@ -5,17 +5,32 @@ and R2 acted), peft's `prepare_model_for_kbit_training(use_gradient_checkpointin
 gcpatch: the same config (R6's `use_cache` given back on every config it switched off), no hook,
 the same training flags, and the same saved activation bytes and gradients in the next step.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_installed_gcpatch_ran, assert_plain
 from _run import Spec
 
 SCRIPT = "disable_after_enable.py"
 RUNS = [Spec(SCRIPT)]
-SCENARIOS = ("enable_disable", "enable_disable_eval", "reentrant_disable", "kbit_false", "trainer_false")
-FIGURES = ("saved_bytes", "loss", "config", "use_cache", "checkpointing", "training_flags", "hooks", "grad_sum")
+SCENARIOS = (
+    "enable_disable",
+    "enable_disable_eval",
+    "reentrant_disable",
+    "kbit_false",
+    "trainer_false",
+)
+FIGURES = (
+    "saved_bytes",
+    "loss",
+    "config",
+    "use_cache",
+    "checkpointing",
+    "training_flags",
+    "hooks",
+    "grad_sum",
+)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -28,12 +43,18 @@ def test_off_leaves_the_model_as_without_gcpatch(script_runs, scenario):
         assert got[figure] == want[figure], (scenario, figure, got[figure], want[figure])
     assert got["checkpointing"] in ([False], []), got["checkpointing"]
     if scenario.endswith("disable") or scenario.endswith("disable_eval"):
-        assert got["use_cache"] is True  # R6 switched it off for the enable; the disable gave it back
+        assert (
+            got["use_cache"] is True
+        )  # R6 switched it off for the enable; the disable gave it back
 
 
 def test_disable_says_what_it_gave_back(script_runs):
     run = script_runs.get(SCRIPT, gcpatch=True)
-    lines = [line for line in run.stderr.splitlines() if "disable" in line and line.startswith("gcpatch: ")]
+    lines = [
+        line
+        for line in run.stderr.splitlines()
+        if "disable" in line and line.startswith("gcpatch: ")
+    ]
     assert any("use_cache False -> True on config" in line for line in lines), run.stderr[-3000:]
 
 

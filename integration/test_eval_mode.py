@@ -5,13 +5,13 @@ Plain transformers checkpoints only layers in training mode, so nothing is check
 forward saves as much as without checkpointing (~12x what train mode saves). gcpatch makes the
 layers checkpoint while their forward still runs in eval mode (dropout stays off).
 """
+
 from __future__ import annotations
 
 import pytest
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain, enable_records
-from packaging.version import Version
-
 from _run import TRANSFORMERS, Spec
+from packaging.version import Version
 
 SCRIPT = "eval_mode_gpt2.py"
 GENERATE = "eval_mode_generate.py"
@@ -27,8 +27,11 @@ FIXED = len(FLAGGED)
 # The cached decode step of GENERATE builds its cache as Llama does from transformers 4.56 on
 # (models/llama/modeling_llama.py: `DynamicCache(config=self.config)`); its keyword is `cache` from
 # 5.24 (`@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`).
-NO_CACHED_STEP = (f"transformers {TRANSFORMERS}: the cached decode step builds DynamicCache(config=...), 4.56+"
-                  if TRANSFORMERS < Version("4.56") else "")
+NO_CACHED_STEP = (
+    f"transformers {TRANSFORMERS}: the cached decode step builds DynamicCache(config=...), 4.56+"
+    if TRANSFORMERS < Version("4.56")
+    else ""
+)
 CACHE_KEYWORD = "cache" if TRANSFORMERS >= Version("5.24") else "past_key_values"
 
 
@@ -73,7 +76,9 @@ def test_r5_decision_is_recorded_at_first_forward_and_explained(script_runs):
     assert rec["why"]["eval_mode_fix"].startswith("R5:")
     assert rec["facts"]["layers_in_eval_mode"] == FIXED and rec["facts"]["grad_enabled"] is True
     assert len(enable_records(run)) == 2  # the eval-mode model and the train-mode model
-    assert any(f"{FIXED} eval-mode layers checkpoint anyway (R5" in line for line in run.gcpatch_lines()), run.stderr
+    assert any(
+        f"{FIXED} eval-mode layers checkpoint anyway (R5" in line for line in run.gcpatch_lines()
+    ), run.stderr
     assert_explained(run, "R5", f"eval_mode_fix={FIXED}")
 
 

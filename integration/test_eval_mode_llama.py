@@ -4,6 +4,7 @@ for the legacy-cache conversion; R5 must still take effect there (saved bytes as
 without changing what the model computes (same loss and gradients as eval mode without
 checkpointing, attention dropout off).
 """
+
 from __future__ import annotations
 
 from _asserts import assert_installed_gcpatch_ran, assert_plain
@@ -29,7 +30,9 @@ def test_eval_mode_llama_checkpoints_like_train_mode_with_the_same_results(scrip
     assert r["loss_equal_eval_nogc"], r["loss_abs_diff"]
     assert r["grads_wrong"] == 0, r
     assert r["model_training"] is False
-    assert r["modules_training_flag_changed"], r  # the loop owner's (or the layers') own flag, nothing else
+    assert r["modules_training_flag_changed"], (
+        r
+    )  # the loop owner's (or the layers') own flag, nothing else
 
 
 def test_plain_eval_mode_llama_checkpoints_nothing(script_runs):
@@ -37,5 +40,7 @@ def test_plain_eval_mode_llama_checkpoints_nothing(script_runs):
     assert_plain(run)
     r = run.result
     assert r["saved_bytes_eval_gc"] == r["saved_bytes_eval_nogc"], r
-    assert r["saved_bytes_eval_gc"] != r["saved_bytes_train_gc"], r  # so the gcpatch test's ratio can fail
+    assert r["saved_bytes_eval_gc"] != r["saved_bytes_train_gc"], (
+        r
+    )  # so the gcpatch test's ratio can fail
     assert r["loss_equal_eval_nogc"] and r["modules_training_flag_changed"] == []

@@ -5,10 +5,10 @@ through a wrapper that calls the inner model's `forward` (peft <= 0.13's `BaseTu
 path of ColossalAI's `booster.enable_lora`), bypasses the model's hooks: an R5 armed there never
 fires and the layers save as much as without checkpointing.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_installed_gcpatch_ran, assert_plain
 from _run import Spec
 

@@ -8,13 +8,13 @@ mode (saved bytes within 10% of train mode), no config keeps `use_cache` on (R6 
 transformers returns a full one. The plain run shows the failures. docs/FAMILIES.md and the
 README's family list are rendered from these same two runs (`python integration/_families.py --write`).
 """
+
 from __future__ import annotations
 
 import re
 from importlib import metadata
 
 import pytest
-
 from _families import DOC, FAMILIES, ROOT, readme_block, render
 from _run import V5, Spec
 
@@ -37,7 +37,9 @@ def grad_cases(fam: dict) -> dict:
 def test_every_input_path_gets_the_no_checkpointing_gradients(script_runs, name):
     fam = family(script_runs, name, gcpatch=True)
     cases = grad_cases(fam)
-    assert any(k.startswith("frozen/") for k in cases) and any(k.startswith("trainable/") for k in cases)
+    assert any(k.startswith("frozen/") for k in cases) and any(
+        k.startswith("trainable/") for k in cases
+    )
     for key, case in cases.items():
         assert case["error"] is None and case["wrong"] == 0, (key, case)
         assert case["with_grad"] > 0, (key, case)
@@ -54,7 +56,11 @@ def test_eval_mode_saves_what_train_mode_saves(script_runs, name):
     assert gc["model_training"] is False  # R5 leaves the model in the user's mode
     plain = family(script_runs, name, gcpatch=False)["eval"]
     if "error" in plain:  # transformers 4.57 Whisper: its reentrant default crashes in train mode
-        assert not V5 and name == "whisper" and "backward through the graph a second time" in plain["error"], plain
+        assert (
+            not V5
+            and name == "whisper"
+            and "backward through the graph a second time" in plain["error"]
+        ), plain
         return
     # plainly nothing is checkpointed (PEFT's input-grads hook even adds the embedding output's graph)
     assert plain["saved_eval_gc"] >= plain["saved_eval_nogc"], plain
@@ -72,14 +78,18 @@ def test_use_cache_is_off_in_every_config_and_no_cache_comes_back_empty(script_r
         assert cache["cache_asked"] == cache["cache_asked_nogc"] == "full", cache
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "mixtral", "t5", "llava", "qwen2_vl", "peft_lora"])
+@pytest.mark.parametrize(
+    "name", ["llama", "gemma2", "mixtral", "t5", "llava", "qwen2_vl", "peft_lora"]
+)
 def test_plain_inputs_embeds_with_reentrant_loses_gradients(script_runs, name):
     plain = grad_cases(family(script_runs, name, gcpatch=False))
     assert plain["frozen/inputs_embeds"]["wrong"] > 0, plain
     assert plain["frozen/inputs_embeds"]["use_reentrant"] is True
 
 
-@pytest.mark.parametrize("name,case", [("whisper", "frozen/input_features"), ("vit", "frozen/pixel_values")])
+@pytest.mark.parametrize(
+    "name,case", [("whisper", "frozen/input_features"), ("vit", "frozen/pixel_values")]
+)
 def test_plain_frozen_stem_with_reentrant_loses_gradients(script_runs, name, case):
     plain = grad_cases(family(script_runs, name, gcpatch=False))
     assert plain[case]["wrong"] > 0 and plain[case]["missing"] > 0, plain
@@ -93,18 +103,28 @@ def test_plain_composite_configs_keep_use_cache_on(script_runs, name):
     assert nested, plain
 
 
-COMPOSITE = {"llava": ("LlavaForConditionalGeneration", "config.text_config"),
-             "qwen2_vl": ("Qwen2VLForConditionalGeneration", "config.text_config"),
-             "t5": ("T5ForConditionalGeneration", "decoder.config")}
+COMPOSITE = {
+    "llava": ("LlavaForConditionalGeneration", "config.text_config"),
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "config.text_config"),
+    "t5": ("T5ForConditionalGeneration", "decoder.config"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSITE))
 def test_composite_configs_are_switched_off_and_recorded_per_config(script_runs, name):
     model_class, nested = COMPOSITE[name]
     run = script_runs.get(SCRIPT, gcpatch=True)
-    enables = [r for r in run.records() if r.get("stage") == "enable" and r["facts"]["model_class"] == model_class]
-    assert enables and all(r["facts"]["use_cache_configs"][nested] is True for r in enables), enables[:1]
-    assert all(r["applied"]["use_cache_per_config"][nested] == "use_cache True -> False" for r in enables)
+    enables = [
+        r
+        for r in run.records()
+        if r.get("stage") == "enable" and r["facts"]["model_class"] == model_class
+    ]
+    assert enables and all(r["facts"]["use_cache_configs"][nested] is True for r in enables), (
+        enables[:1]
+    )
+    assert all(
+        r["applied"]["use_cache_per_config"][nested] == "use_cache True -> False" for r in enables
+    )
 
 
 def test_stacks_are_facts_and_r1_names_the_starved_stack(script_runs):
@@ -112,12 +132,18 @@ def test_stacks_are_facts_and_r1_names_the_starved_stack(script_runs):
     enables = [r for r in run.records() if r.get("stage") == "enable"]
     clip = [r for r in enables if r["facts"]["model_class"] == "CLIPModel"]
     stacks = {s["stack"] for s in clip[0]["facts"]["stacks"]}
-    assert stacks == {"text_model.encoder.layers", "vision_model.encoder.layers"}, clip[0]["facts"]["stacks"]
+    assert stacks == {"text_model.encoder.layers", "vision_model.encoder.layers"}, clip[0]["facts"][
+        "stacks"
+    ]
     assert clip[0]["applied"]["checkpointed_stacks"] == {
-        "text_model.encoder.layers": "2 of 2 CLIPEncoderLayer", "vision_model.encoder.layers": "2 of 2 CLIPEncoderLayer"}
+        "text_model.encoder.layers": "2 of 2 CLIPEncoderLayer",
+        "vision_model.encoder.layers": "2 of 2 CLIPEncoderLayer",
+    }
     r1 = [r for r in enables if r["decision"]["winners"]["use_reentrant"]["rule"] == "R1"]
     reasons = [r["decision"]["winners"]["use_reentrant"]["reason"] for r in r1]
-    assert r1 and all("nothing upstream of them" in why or "as a keyword argument" in why for why in reasons), reasons
+    assert r1 and all(
+        "nothing upstream of them" in why or "as a keyword argument" in why for why in reasons
+    ), reasons
 
 
 def test_whisper_and_clip_unfrozen_keep_reentrant_in_strict_mode(script_runs):
@@ -129,18 +155,31 @@ def test_whisper_and_clip_unfrozen_keep_reentrant_in_strict_mode(script_runs):
     if not V5:
         # transformers 4.57's WhisperDecoder passes encoder_hidden_states by keyword: reentrant is
         # not a correct set-up there (plain: "backward through the graph a second time")
-        assert "R1" in fams["whisper"]["setup_error"] and "keyword" in fams["whisper"]["setup_error"], fams["whisper"]
+        assert (
+            "R1" in fams["whisper"]["setup_error"] and "keyword" in fams["whisper"]["setup_error"]
+        ), fams["whisper"]
         plain = script_runs.get(SCRIPT, *STRICT.args, gcpatch=False)
-        assert "backward through the graph a second time" in str(plain.result["families"]["whisper"]), \
+        assert "backward through the graph a second time" in str(
             plain.result["families"]["whisper"]
+        ), plain.result["families"]["whisper"]
     for name in ("whisper", "clip") if V5 else ("clip",):
         assert "setup_error" not in fams[name], fams[name]
         for key, case in grad_cases(fams[name]).items():
-            assert case["use_reentrant"] is True and case["wrong"] == 0 and case["error"] is None, (name, key, case)
+            assert case["use_reentrant"] is True and case["wrong"] == 0 and case["error"] is None, (
+                name,
+                key,
+                case,
+            )
     if not V5:
         return
-    whisper = [r for r in run.records() if r.get("facts", {}).get("model_class") == "WhisperForConditionalGeneration"]
-    assert whisper and whisper[0]["facts"]["partially_frozen"] is True  # embed_positions: frozen by the model
+    whisper = [
+        r
+        for r in run.records()
+        if r.get("facts", {}).get("model_class") == "WhisperForConditionalGeneration"
+    ]
+    assert (
+        whisper and whisper[0]["facts"]["partially_frozen"] is True
+    )  # embed_positions: frozen by the model
     encoder = next(s for s in whisper[0]["facts"]["stacks"] if s["stack"] == "model.encoder.layers")
     assert encoder["inputs_can_require_grad"] and encoder["trainable_upstream"] > 0, encoder
 
@@ -152,6 +191,10 @@ def test_family_table_doc_is_generated_from_these_runs(script_runs):
     assert made_on, "docs/FAMILIES.md names no versions"
     if made_on.group(1) != metadata.version("transformers"):
         pytest.skip(f"docs/FAMILIES.md was generated on transformers {made_on.group(1)}")
-    assert text == render(gc.result, plain.result), "docs/FAMILIES.md is stale: python integration/_families.py --write"
+    assert text == render(gc.result, plain.result), (
+        "docs/FAMILIES.md is stale: python integration/_families.py --write"
+    )
     readme = (ROOT / "README.md").read_text()
-    assert readme_block(gc.result) in readme, "README's family list is stale: python integration/_families.py --write"
+    assert readme_block(gc.result) in readme, (
+        "README's family list is stale: python integration/_families.py --write"
+    )

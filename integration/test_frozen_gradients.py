@@ -10,14 +10,13 @@ recommends non-reentrant here, so fix mode leaves the choice, strict mode does n
 gradient matches the reference in every mode. Where no hook can serve, R1 still requires
 non-reentrant (test_custom_checkpointer.py, test_families.py's Whisper).
 """
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain, enable_records
-from packaging.version import Version
-
 from _run import TRANSFORMERS, V5, Spec
+from packaging.version import Version
 
 SCRIPT = "frozen_llama.py"
 TRAINABLE = 11  # layer 1 (9 tensors), final norm, lm_head
@@ -29,15 +28,28 @@ NO_AC = f"transformers {TRANSFORMERS} has no activation_checkpointing_enable (ad
 VARIANTS = [
     pytest.param("gc", "ids", id="gradient_checkpointing_enable-input_ids"),
     pytest.param("gc", "embeds", id="gradient_checkpointing_enable-inputs_embeds"),
-    pytest.param("ac", "ids", id="activation_checkpointing_enable-input_ids",
-                 marks=pytest.mark.skipif(not HAS_AC, reason=NO_AC)),
-    pytest.param("ac", "embeds", id="activation_checkpointing_enable-inputs_embeds",
-                 marks=pytest.mark.skipif(not HAS_AC, reason=NO_AC)),
+    pytest.param(
+        "ac",
+        "ids",
+        id="activation_checkpointing_enable-input_ids",
+        marks=pytest.mark.skipif(not HAS_AC, reason=NO_AC),
+    ),
+    pytest.param(
+        "ac",
+        "embeds",
+        id="activation_checkpointing_enable-inputs_embeds",
+        marks=pytest.mark.skipif(not HAS_AC, reason=NO_AC),
+    ),
 ]
-RUNS = [Spec(SCRIPT, ("--api", api, "--input", inp))
-        for api in (("gc", "ac") if HAS_AC else ("gc",)) for inp in ("ids", "embeds")] + \
-       [Spec(SCRIPT, ("--api", "gc", "--input", inp), env=(("GCPATCH_MODE", mode),))
-        for inp in ("ids", "embeds") for mode in ("warn", "strict")]
+RUNS = [
+    Spec(SCRIPT, ("--api", api, "--input", inp))
+    for api in (("gc", "ac") if HAS_AC else ("gc",))
+    for inp in ("ids", "embeds")
+] + [
+    Spec(SCRIPT, ("--api", "gc", "--input", inp), env=(("GCPATCH_MODE", mode),))
+    for inp in ("ids", "embeds")
+    for mode in ("warn", "strict")
+]
 
 
 def plain_lost(api: str, inp: str) -> int:
@@ -56,13 +68,19 @@ def test_frozen_layers_get_exact_gradients_under_reentrant(script_runs, api, inp
     assert r["wrong"] == 0, r["wrong_names"]
     assert r["grad_none"] == 0
     assert r["loss_equal"]
-    assert r["applied_use_reentrant"] is True  # the user's choice, made exact by the input-grads hook
+    assert (
+        r["applied_use_reentrant"] is True
+    )  # the user's choice, made exact by the input-grads hook
 
 
 @pytest.mark.parametrize("inp", ["ids", "embeds"])
 @pytest.mark.parametrize("mode", ["warn", "strict"])
-def test_warn_and_strict_mode_keep_the_correct_choice_without_a_warning_or_an_error(script_runs, inp, mode):
-    run = script_runs.get(SCRIPT, "--api", "gc", "--input", inp, gcpatch=True, env={"GCPATCH_MODE": mode})
+def test_warn_and_strict_mode_keep_the_correct_choice_without_a_warning_or_an_error(
+    script_runs, inp, mode
+):
+    run = script_runs.get(
+        SCRIPT, "--api", "gc", "--input", inp, gcpatch=True, env={"GCPATCH_MODE": mode}
+    )
     r = run.result
     assert (r["wrong"], r["grad_none"], r["applied_use_reentrant"]) == (0, 0, True), run.describe()
     [rec] = enable_records(run)
@@ -90,21 +108,29 @@ def test_kept_choice_is_logged_recorded_and_explained(script_runs, api, inp):
     rec = records[0]
     assert rec["source"] == "call"
     # X1: on 5.x both public names reach the wrapped choke point; the record names the one called
-    assert rec["api"] == ("activation_checkpointing_enable" if api == "ac" else "gradient_checkpointing_enable")
+    assert rec["api"] == (
+        "activation_checkpointing_enable" if api == "ac" else "gradient_checkpointing_enable"
+    )
     assert rec["asked"]["use_reentrant"] is True
     # 5.x: both names reach _activation_checkpointing_enable, which is what gcpatch wraps (X1)
-    assert ("activation_checkpointing_kwargs" if api == "ac" else "gradient_checkpointing_kwargs") in rec["asked"]["from"]
+    assert (
+        "activation_checkpointing_kwargs" if api == "ac" else "gradient_checkpointing_kwargs"
+    ) in rec["asked"]["from"]
     assert rec["applied"]["use_reentrant"] is True and rec["applied"]["input_grads_hook"] is True
     assert rec["rules"][:2] == ["USER", "R2"]
     assert rec["decision"]["winners"]["use_reentrant"]["rule"] == "USER"
     # R1's recommendation is recorded as overruled by the user's correct choice, and nobody is warned
-    assert any(v["rule"] == "R1" and v["strength"] == "recommended" for v in rec["decision"]["overruled"])
+    assert any(
+        v["rule"] == "R1" and v["strength"] == "recommended" for v in rec["decision"]["overruled"]
+    )
     assert rec["decision"]["warnings"] == []
     assert rec["facts"]["partially_frozen"] is True
     assert [s["fed_by_input_embeddings"] for s in rec["facts"]["stacks"]] == [True]
     assert rec["applied"]["use_cache_off"] == "use_cache True -> False"  # R6
     assert run.result["use_cache"] is False
     lines = run.gcpatch_lines()
-    assert lines == [f"gcpatch: LlamaForCausalLM: use_reentrant=True as asked, exact through the input-grads hook "
-                     "(R2: frozen upstream)"], run.stderr
+    assert lines == [
+        "gcpatch: LlamaForCausalLM: use_reentrant=True as asked, exact through the input-grads hook "
+        "(R2: frozen upstream)"
+    ], run.stderr
     assert_explained(run, "R2", "use_reentrant=True")

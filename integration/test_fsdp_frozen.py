@@ -13,15 +13,18 @@ enabled before `accelerator.prepare` as the Trainer does (integration/scripts/fs
   model does the same all-gathers in backward with either variant. Where it does cost one, F2
   decides (integration/test_fsdp_all_gather.py).
 """
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_installed_gcpatch_ran, assert_plain, winner
 from _run import V5, Spec
 
 pytest.importorskip("accelerate")
-pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not V5, reason="FSDP2 through accelerate 1.x: the 5.x stack")]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not V5, reason="FSDP2 through accelerate 1.x: the 5.x stack"),
+]
 
 SCRIPT = "fsdp_frozen.py"
 LAUNCH = "torchrun2"
@@ -42,10 +45,14 @@ def test_plain_partially_frozen_reentrant_under_fsdp_loses_layer_gradients(scrip
     for r in run.results:
         assert r["error"] is None and r["model_class"] == "FSDPLlamaForCausalLM"
         assert r["applied_use_reentrant"] is True
-        assert r["wrong"] == 9 and all(n.startswith("model.layers.1.") for n in r["wrong_names"]), r["wrong_names"]
+        assert r["wrong"] == 9 and all(n.startswith("model.layers.1.") for n in r["wrong_names"]), (
+            r["wrong_names"]
+        )
 
 
-@pytest.mark.parametrize("args", [FROZEN, FSDP_AC], ids=["hf-checkpointing", "with-fsdp-checkpoint-wrapper"])
+@pytest.mark.parametrize(
+    "args", [FROZEN, FSDP_AC], ids=["hf-checkpointing", "with-fsdp-checkpoint-wrapper"]
+)
 def test_partially_frozen_under_accelerate_fsdp_gets_exact_gradients(script_runs, args):
     run = _get(script_runs, args, True)
     assert_installed_gcpatch_ran(run)
@@ -55,14 +62,18 @@ def test_partially_frozen_under_accelerate_fsdp_gets_exact_gradients(script_runs
         assert r["trainable"] == 11 and r["wrong"] == 0, r["wrong_names"]
         assert r["applied_use_reentrant"] is True  # the user's, exact through R2's hook
     for rank in (0, 1):
-        records = [rec for rec in run.records() if rec.get("stage") == "enable" and rec.get("rank") == rank]
+        records = [
+            rec for rec in run.records() if rec.get("stage") == "enable" and rec.get("rank") == rank
+        ]
         assert records[0]["facts"]["fsdp"] == ""  # enabled before accelerate wraps the model
         last = records[-1]
         assert "F1" in last["source"], last["source"]
         assert "fsdp2" in last["facts"]["fsdp"] and winner(last) == "USER" and "R2" in last["rules"]
         if "--fsdp-ac" in args:
-            assert any(rec["facts"]["fsdp_checkpointing"].startswith("checkpoint_wrapper: 2 modules")
-                       for rec in records), [rec["facts"]["fsdp_checkpointing"] for rec in records]
+            assert any(
+                rec["facts"]["fsdp_checkpointing"].startswith("checkpoint_wrapper: 2 modules")
+                for rec in records
+            ), [rec["facts"]["fsdp_checkpointing"] for rec in records]
 
 
 def test_fsdp2_reentrant_inside_the_unit_costs_no_extra_all_gather(script_runs):

@@ -8,14 +8,21 @@ makes the first checkpointed input require grad (R2, on the embedding output and
 so R1 only recommends non-reentrant: fix, warn and strict mode all keep the user's True, say
 nothing against it, and every LoRA gradient equals the no-checkpointing run.
 """
+
 from __future__ import annotations
 
 import pytest
 
 pytest.importorskip("peft")
 
-from _asserts import (assert_explain_lists_every_decision, assert_installed_gcpatch_ran, assert_plain,  # noqa: E402
-                      enable_records, final_enable_record, winner)
+from _asserts import (
+    assert_explain_lists_every_decision,
+    assert_installed_gcpatch_ran,
+    assert_plain,  # noqa: E402
+    enable_records,
+    final_enable_record,
+    winner,
+)
 from _run import Spec, outside_plugin_range  # noqa: E402
 
 OUT_OF_RANGE = outside_plugin_range("peft")
@@ -60,27 +67,39 @@ def test_lora_decision_keeps_the_users_choice_whichever_order(script_runs, order
     assert first["asked"]["use_reentrant"] is True
     if order == "before":
         # the base model is fully trainable when enabled: the user's True stands, with R2's hook ...
-        assert first["source"] == "call" and winner(first) == "USER" and first["applied"]["use_reentrant"] is True
+        assert (
+            first["source"] == "call"
+            and winner(first) == "USER"
+            and first["applied"]["use_reentrant"] is True
+        )
         # ... and wrapping it with PEFT decides again (P4)
         assert "P4" in last["source"], last["source"]
     assert last["asked"]["use_reentrant"] is True
     assert last["applied"]["use_reentrant"] is True and last["applied"]["input_grads_hook"] is True
     assert winner(last) == "USER" and "R2" in last["rules"]
     assert last["facts"]["peft"] is True and last["facts"]["partially_frozen"] is True
-    assert any(v["rule"] == "R1" and v["strength"] == "recommended" for v in last["decision"]["overruled"])
+    assert any(
+        v["rule"] == "R1" and v["strength"] == "recommended" for v in last["decision"]["overruled"]
+    )
     assert last["decision"]["warnings"] == []
     assert_explain_lists_every_decision(run)
 
 
 @pytest.mark.parametrize("order", ORDER)
 @pytest.mark.parametrize("mode", ["strict", "warn"])
-def test_strict_and_warn_mode_keep_a_correct_choice_without_error_or_warning(script_runs, order, mode):
+def test_strict_and_warn_mode_keep_a_correct_choice_without_error_or_warning(
+    script_runs, order, mode
+):
     run = script_runs.get(SCRIPT, "--order", order, gcpatch=True, env={"GCPATCH_MODE": mode})
     assert_installed_gcpatch_ran(run)
     r = run.result
     assert r["error"] is None, r["error"]  # strict mode never raises on a job that is correct
     assert r["applied_use_reentrant"] is True
-    assert r["wrong"] == 0 and r["grad_none"] == 0 and r["loss_equal"], r["wrong_names"]  # R2's hook
-    assert not any(" warn mode keeps " in line or "overrules" in line for line in run.stderr.splitlines()), run.stderr
+    assert r["wrong"] == 0 and r["grad_none"] == 0 and r["loss_equal"], r[
+        "wrong_names"
+    ]  # R2's hook
+    assert not any(
+        " warn mode keeps " in line or "overrules" in line for line in run.stderr.splitlines()
+    ), run.stderr
     last = final_enable_record(run)
     assert last["decision"]["mode"] == mode and last["decision"]["warnings"] == []

@@ -2,10 +2,10 @@
 sequence 64) trained one step per budget, in a plain loop, under the Trainer, under PEFT LoRA and
 under DDP. The script measures by itself what each forward holds for the backward, counts the layers
 its backward recomputes and compares every gradient with the run without checkpointing."""
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain
 from _run import Spec
 
@@ -19,13 +19,24 @@ RUNS = [LOOP, DDP]
 
 def _run(script_runs, setup: str):
     if setup == "loop":
-        return script_runs.get(SCRIPT, "--setup", "loop", "--budgets", BUDGETS, gcpatch=True,
-                               env={"GCPATCH_VERIFY": "1"})
+        return script_runs.get(
+            SCRIPT,
+            "--setup",
+            "loop",
+            "--budgets",
+            BUDGETS,
+            gcpatch=True,
+            env={"GCPATCH_VERIFY": "1"},
+        )
     return script_runs.get(SCRIPT, "--setup", setup, "--budgets", BUDGETS, gcpatch=True)
 
 
 def _budget_lines(run) -> list[str]:
-    return [line for line in run.stderr.splitlines() if line.startswith("gcpatch: rank ") and " budget " in line]
+    return [
+        line
+        for line in run.stderr.splitlines()
+        if line.startswith("gcpatch: rank ") and " budget " in line
+    ]
 
 
 def _one_layer_share(run) -> float:
@@ -46,20 +57,34 @@ def test_the_plan_holds_the_budget_and_spends_the_rest_on_speed(script_runs, set
     # not far below: checkpointing one layer fewer would break the budget
     assert case["fraction"] + _one_layer_share(run) > budget, case
     assert case["wrong"] == 0 and case["grad_none"] == 0 and case["max_abs_diff"] == 0.0, case
-    assert case["recomputed"] == sum(case["flags"])  # each checkpointed layer recomputed once, no other
+    assert case["recomputed"] == sum(
+        case["flags"]
+    )  # each checkpointed layer recomputed once, no other
     if budget == 0.6:
-        assert case["recomputed"] == 4 and case["flags"] == [True, False] * 4, case  # every_n_layers=2
+        assert case["recomputed"] == 4 and case["flags"] == [True, False] * 4, (
+            case
+        )  # every_n_layers=2
     assert case["recomputed"] < run.result["cases"]["0.01"]["recomputed"] == 8
-    assert case["rng_after"] == run.result["reference_rng_after"]  # the measuring passes left no trace
+    assert (
+        case["rng_after"] == run.result["reference_rng_after"]
+    )  # the measuring passes left no trace
 
 
 @pytest.mark.parametrize("setup", ["loop", "trainer", "lora"])
-def test_the_one_line_names_budget_plan_saving_and_recompute_and_explain_keeps_it(script_runs, setup):
+def test_the_one_line_names_budget_plan_saving_and_recompute_and_explain_keeps_it(
+    script_runs, setup
+):
     run = _run(script_runs, setup)
     lines = [line for line in _budget_lines(run) if "verified on the real step" not in line]
     assert len(lines) == 3, run.stderr[-3000:]
-    assert "memory budget 0.6 (" in lines[0] and "4 of 8 layers checkpointed, every_n_layers=2" in lines[0]
-    assert "without checkpointing (saves 4" in lines[0] and "expected recompute 50% of full checkpointing's" in lines[0]
+    assert (
+        "memory budget 0.6 (" in lines[0]
+        and "4 of 8 layers checkpointed, every_n_layers=2" in lines[0]
+    )
+    assert (
+        "without checkpointing (saves 4" in lines[0]
+        and "expected recompute 50% of full checkpointing's" in lines[0]
+    )
     assert "7 of 8 layers checkpointed" in lines[1], lines[1]
     records = [r for r in run.records() if r.get("stage") == "budget"]
     assert [r["budget"]["plan"]["checkpointed"] for r in records] == [4, 7, 8]
@@ -85,7 +110,9 @@ def test_verify_confirms_each_plan_on_the_real_step(script_runs):
         # gcpatch's count of the real step and the script's own are the same bytes, but for the
         # loss the script keeps (gcpatch leaves out all the forward returns)
         assert held - rec["held_bytes"] == 4, (rec, held)
-        assert abs(rec["held_bytes"] - rec["planned_bytes"]) <= TOLERANCE * rec["planned_bytes"], rec
+        assert abs(rec["held_bytes"] - rec["planned_bytes"]) <= TOLERANCE * rec["planned_bytes"], (
+            rec
+        )
     assert [r["within"] for r in verified] == [True, True, True]
 
 
@@ -101,12 +128,16 @@ def test_unset_changes_nothing(script_runs):
     assert unset["flags"] == [True] * 8
     # without gcpatch a budget is nothing: all 8 layers recomputed at 0.6 (the issue as a user meets it)
     assert plain.result["cases"]["0.6"]["recomputed"] == 8
-    assert len([r for r in run.records() if r.get("stage") == "budget"]) == 3  # the three set budgets only
+    assert (
+        len([r for r in run.records() if r.get("stage") == "budget"]) == 3
+    )  # the three set budgets only
 
 
 @pytest.mark.distributed
 def test_ddp_ranks_run_rank_0s_plan(script_runs):
-    run = script_runs.get("budget_ddp.py", gcpatch=True, env={"GCPATCH_MEMORY_BUDGET": "0.6"}, launcher="torchrun2")
+    run = script_runs.get(
+        "budget_ddp.py", gcpatch=True, env={"GCPATCH_MEMORY_BUDGET": "0.6"}, launcher="torchrun2"
+    )
     plain = script_runs.get("budget_ddp.py", gcpatch=False, launcher="torchrun2")
     assert [r["rank"] for r in run.results] == [0, 1]
     for rank, result in enumerate(run.results):
@@ -117,9 +148,14 @@ def test_ddp_ranks_run_rank_0s_plan(script_runs):
         assert result["params_after"] == plain.results[rank]["params_after"]
         assert result["rng_after"] == plain.results[rank]["rng_after"]
     lines = _budget_lines(run)
-    assert any(line.startswith("gcpatch: rank 1 ") and "(rank 0's plan)" in line for line in lines), lines
+    assert any(
+        line.startswith("gcpatch: rank 1 ") and "(rank 0's plan)" in line for line in lines
+    ), lines
     by_rank = run.records_by_rank()
-    plans = [[r["budget"]["flags"] for r in by_rank[rank] if r.get("stage") == "budget"] for rank in (0, 1)]
+    plans = [
+        [r["budget"]["flags"] for r in by_rank[rank] if r.get("stage") == "budget"]
+        for rank in (0, 1)
+    ]
     assert plans[0] == plans[1] == [[True, False] * 4]
 
 

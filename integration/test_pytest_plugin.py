@@ -1,6 +1,7 @@
 """The pytest plugin as a user meets it: a test suite that never imports gcpatch gets the
 `gcpatch_verify` fixture from the installed package's pytest11 entry point, and reads a failure
 message that names the parameters or the missing saving."""
+
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _run import child_env
 
 SUITE = Path(__file__).resolve().parent / "user_suite" / "verify_my_model.py"
@@ -17,8 +17,14 @@ SUITE = Path(__file__).resolve().parent / "user_suite" / "verify_my_model.py"
 @pytest.fixture(scope="module")
 def user_suite(tmp_path_factory) -> subprocess.CompletedProcess:
     cwd = tmp_path_factory.mktemp("user-suite")  # outside the checkout: the installed gcpatch runs
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-s", "-p", "no:cacheprovider", str(SUITE)],
-                          cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-s", "-p", "no:cacheprovider", str(SUITE)],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_plugin_passes_a_correct_setup(user_suite):
@@ -31,13 +37,17 @@ def test_plugin_passes_a_correct_setup(user_suite):
 def test_plugin_failure_names_the_parameters(user_suite):
     out = user_suite.stdout
     assert "FAILED" in out and "test_custom_model_with_reentrant_fails_naming_parameters" in out
-    assert "gcpatch verify: checkpointing on KwargModel is not what it should be" in out, out[-4000:]
+    assert "gcpatch verify: checkpointing on KwargModel is not what it should be" in out, out[
+        -4000:
+    ]
     assert "13 tensor(s) get no gradient with checkpointing but one without it: embed.weight" in out
     assert "blocks.2.fc.bias" in out  # every name, not a truncated list
 
 
 def test_plugin_failure_shows_no_saving_in_eval_mode(user_suite):
     out = user_suite.stdout
-    assert "gcpatch verify: checkpointing on GPT2LMHeadModel is not what it should be" in out, out[-4000:]
+    assert "gcpatch verify: checkpointing on GPT2LMHeadModel is not what it should be" in out, out[
+        -4000:
+    ]
     assert "no block was checkpointed in this step (4 module(s) have checkpointing on" in out
     assert "activations saved 0%" in out

@@ -6,6 +6,7 @@ the loss without a graph ("element 0 of tensors does not require grad"). gcpatch
 every LoRA gradient equals the no-checkpointing run of the same quantized model, and the enable
 made inside prepare_model_for_kbit_training is recorded as peft's (P3).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,14 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from _asserts import (assert_explain_lists_every_decision, assert_installed_gcpatch_ran, assert_plain,  # noqa: E402
-                      enable_records, final_enable_record, winner)
+from _asserts import (
+    assert_explain_lists_every_decision,
+    assert_installed_gcpatch_ran,
+    assert_plain,  # noqa: E402
+    enable_records,
+    final_enable_record,
+    winner,
+)
 from _run import TRANSFORMERS, V5, Spec, outside_plugin_range  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
@@ -22,14 +29,22 @@ from packaging.version import Version  # noqa: E402
 # with or without gcpatch: 4.35-4.44 raise "No GPU found" (quantizers/quantizer_bnb_4bit.py), 4.45-4.52
 # drop "cpu" from the devices bitsandbytes may use unless IPEX is installed (integrations/bitsandbytes.py,
 # "Only Intel CPU is supported by BNB at the moment"; 4.45-4.50 crash doing so on a frozenset).
-NO_CPU_4BIT = "" if TRANSFORMERS >= Version("4.53") else (
-    f"transformers {TRANSFORMERS} refuses bitsandbytes 4-bit on a CPU without IPEX (allowed from 4.53)")
+NO_CPU_4BIT = (
+    ""
+    if TRANSFORMERS >= Version("4.53")
+    else (
+        f"transformers {TRANSFORMERS} refuses bitsandbytes 4-bit on a CPU without IPEX (allowed from 4.53)"
+    )
+)
 OUT_OF_RANGE = outside_plugin_range("peft") or NO_CPU_4BIT
 pytestmark = pytest.mark.skipif(bool(OUT_OF_RANGE), reason=OUT_OF_RANGE)
 
 SCRIPT = "qlora_4bit.py"
 RUNS = [Spec(SCRIPT, ("--prepare", p)) for p in ("no", "yes")]
-PREPARE = [pytest.param("no", id="no-prepare"), pytest.param("yes", id="prepare_model_for_kbit_training")]
+PREPARE = [
+    pytest.param("no", id="no-prepare"),
+    pytest.param("yes", id="prepare_model_for_kbit_training"),
+]
 
 
 @pytest.mark.parametrize("prepare", PREPARE)
@@ -40,7 +55,9 @@ def test_qlora_gets_reference_gradients(script_runs, prepare):
     assert r["quantized_linear"] == "Linear4bit"
     assert r["error"] is None, r["error"]
     assert r["trainable"] == 8
-    assert r["wrong"] == 0 and r["grad_none"] == 0, r["wrong_names"]  # allclose 1e-5 (the brief allows 1e-4)
+    assert r["wrong"] == 0 and r["grad_none"] == 0, r[
+        "wrong_names"
+    ]  # allclose 1e-5 (the brief allows 1e-4)
     assert r["loss_equal"]
     assert r["applied_use_reentrant"] is False
     last = final_enable_record(run)
@@ -54,7 +71,9 @@ def test_plain_qlora(script_runs, prepare):
     run = script_runs.get(SCRIPT, "--prepare", prepare, gcpatch=False)
     assert_plain(run)
     r = run.result
-    if prepare == "yes":  # peft enables with no kwargs: torch's own default (reentrant) + peft's hook
+    if (
+        prepare == "yes"
+    ):  # peft enables with no kwargs: torch's own default (reentrant) + peft's hook
         assert r["error"] is None and r["wrong"] == 0, r
         assert r["applied_use_reentrant"] == "unset"
     elif V5:  # 5.x defaults to non-reentrant

@@ -2,6 +2,7 @@
 as it does plainly (pytest no longer warns that the start-up module, imported by the .pth line,
 cannot be rewritten), and an exception the test expects and catches carries gcpatch's note but
 leaves no ERROR line."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _run import child_env
 
 SUITE = Path(__file__).resolve().parent / "user_suite" / "strict_warnings.py"
@@ -17,16 +17,36 @@ SUITE = Path(__file__).resolve().parent / "user_suite" / "strict_warnings.py"
 
 @pytest.fixture(scope="module", params=["0", "1"], ids=["plain", "GCPATCH=1"])
 def session(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
-    cwd = tmp_path_factory.mktemp("strict-suite")  # outside the checkout: the installed gcpatch runs
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-W", "error", "-p", "no:cacheprovider",
-                           str(SUITE)], cwd=cwd, env=child_env(GCPATCH=request.param), capture_output=True,
-                          text=True, timeout=300)
+    cwd = tmp_path_factory.mktemp(
+        "strict-suite"
+    )  # outside the checkout: the installed gcpatch runs
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-W",
+            "error",
+            "-p",
+            "no:cacheprovider",
+            str(SUITE),
+        ],
+        cwd=cwd,
+        env=child_env(GCPATCH=request.param),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return request.param, proc
 
 
 def test_a_warnings_as_errors_suite_passes(session):
     _, proc = session
-    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, (
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    )
     assert "PytestAssertRewriteWarning" not in proc.stdout + proc.stderr
 
 

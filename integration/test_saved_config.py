@@ -5,10 +5,10 @@ the reloaded model returns a KV cache where the plain one does. Before, config.j
 `"use_cache": false` (transformers 4.x moved it into generation_config.json and set the live
 config's to None) and the reloaded model returned no cache.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_installed_gcpatch_ran, assert_plain
 from _run import Spec
 

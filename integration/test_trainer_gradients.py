@@ -5,6 +5,7 @@ gradients are compared with the same Trainer set-up without checkpointing.
 Plain 4.57's Trainer asks for reentrant checkpointing (its default) and loses layer 1's
 gradients; plain 5.x defaults to non-reentrant and is correct. With gcpatch R1 decides.
 """
+
 from __future__ import annotations
 
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain, enable_records
@@ -43,10 +44,14 @@ def test_trainer_enable_is_recorded_as_r1_with_trainer_source(script_runs):
     assert [r["source"] for r in records] == ["trainer"], records
     rec = records[0]
     assert rec["asked"]["use_reentrant"] is None  # TrainingArguments named no kwargs
-    assert "train" in rec["asked"]["from"].lower(), rec["asked"]  # attributed to the Trainer / TrainingArguments
+    assert "train" in rec["asked"]["from"].lower(), rec[
+        "asked"
+    ]  # attributed to the Trainer / TrainingArguments
     assert rec["applied"]["use_reentrant"] is False
     assert "R1" in rec["rules"] and rec["why"]["use_reentrant"].startswith("R1:")
     assert rec["decision"]["warnings"] == []  # nothing was asked, so nothing was overruled
     lines = run.gcpatch_lines()
-    assert len(lines) == 1 and " (trainer): use_reentrant unset -> False (R1: " in lines[0], run.stderr
+    assert len(lines) == 1 and " (trainer): use_reentrant unset -> False (R1: " in lines[0], (
+        run.stderr
+    )
     assert_explained(run, "R1", "use_reentrant=False", "(trainer, enable)")

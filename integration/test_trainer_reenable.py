@@ -3,10 +3,10 @@ explicit use_reentrant X, then trains with TrainingArguments(gradient_checkpoint
 no kwargs. The Trainer re-enables checkpointing and plain transformers replaces X with its own
 default (True on 4.57, False on 5.x); with gcpatch the layers keep X.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain, enable_records
 from _run import V5, Spec, reentrant
 
@@ -32,7 +32,9 @@ def test_trainer_reenable_keeps_the_users_use_reentrant(script_runs, asked):
 
 
 @pytest.mark.parametrize("asked", ASKED)
-def test_plain_trainer_reenable_replaces_the_users_use_reentrant_with_its_default(script_runs, asked):
+def test_plain_trainer_reenable_replaces_the_users_use_reentrant_with_its_default(
+    script_runs, asked
+):
     run = script_runs.get(SCRIPT, "--use-reentrant", _arg(asked), gcpatch=False)
     assert_plain(run)
     r = run.result

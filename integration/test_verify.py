@@ -4,10 +4,10 @@ one it is told not to fix (warn mode: the mismatching parameters named), a model
 left in eval mode without gcpatch's fix (warn mode: ~0% saved), and the user's own step
 bit-identical to the same run without verify (first-step gradients, parameters and optimizer
 state after training, the RNG streams afterwards)."""
+
 from __future__ import annotations
 
 import pytest
-
 from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plain
 from _run import Spec
 
@@ -19,15 +19,23 @@ VERIFY = {"GCPATCH_VERIFY": "1"}
 # rule sees it, and strict mode leaves it to verify
 WARN = {"GCPATCH_MODE": "warn", **VERIFY}
 STRICT_UNSEEN = {"GCPATCH_MODE": "strict", "GCPATCH_DISABLE_PLUGINS": "torch", **VERIFY}
-RUNS = ([Spec(SCRIPT, ("--setup", s), env=tuple(VERIFY.items())) for s in SETUPS]
-        + [Spec(SCRIPT, ("--setup", s)) for s in SETUPS]
-        + [Spec(SCRIPT, ("--setup", "eval"), env=tuple(sorted(WARN.items()))),
-           Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(WARN.items()))),
-           Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(STRICT_UNSEEN.items())))])
+RUNS = (
+    [Spec(SCRIPT, ("--setup", s), env=tuple(VERIFY.items())) for s in SETUPS]
+    + [Spec(SCRIPT, ("--setup", s)) for s in SETUPS]
+    + [
+        Spec(SCRIPT, ("--setup", "eval"), env=tuple(sorted(WARN.items()))),
+        Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(WARN.items()))),
+        Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(STRICT_UNSEEN.items()))),
+    ]
+)
 
 
 def verify_lines(run) -> list[str]:
-    return [line for line in run.stderr.splitlines() if line.startswith("gcpatch: rank ") and " verify " in line]
+    return [
+        line
+        for line in run.stderr.splitlines()
+        if line.startswith("gcpatch: rank ") and " verify " in line
+    ]
 
 
 def verify_record(run) -> dict:
@@ -43,8 +51,9 @@ def test_verify_reports_match_on_setups_gcpatch_fixes(script_runs, setup):
     lines = verify_lines(run)
     assert len(lines) == 1, run.stderr
     # transformers 4.57 hooks no embedding output here: the frozen layer 0 needs no backward (x0)
-    assert "gradients match" in lines[0] and ("each block recomputed once" in lines[0] or
-                                              "each block recomputed at most once" in lines[0]), lines[0]
+    assert "gradients match" in lines[0] and (
+        "each block recomputed once" in lines[0] or "each block recomputed at most once" in lines[0]
+    ), lines[0]
     rep = verify_record(run)
     assert rep["gradients_match"] and rep["missing"] == rep["differ"] == rep["extra"] == []
     assert rep["tensors"] == run.result["trainable"]
@@ -72,9 +81,13 @@ def test_verify_names_the_parameters_of_a_setup_gcpatch_is_told_not_to_fix(scrip
     assert run.result["applied_use_reentrant"] is True
     rep = verify_record(run)
     assert not rep["gradients_match"]
-    assert sorted(rep["missing"]) == sorted(lost), rep  # exactly the user's missing gradients, by name
+    assert sorted(rep["missing"]) == sorted(lost), (
+        rep
+    )  # exactly the user's missing gradients, by name
     assert rep["differ"] == [] and rep["extra"] == []
-    assert all(runs["backward"] == 0 for runs in rep["blocks"].values())  # no gradient flowed through them
+    assert all(
+        runs["backward"] == 0 for runs in rep["blocks"].values()
+    )  # no gradient flowed through them
     line = verify_lines(run)[0]
     assert "gradients DIFFER in 13 of 15 tensors" in line and "embed.weight" in line, line
     assert "WARNING" not in line  # a warning in fix mode, not an error: the job trained on
@@ -94,7 +107,9 @@ def test_verify_in_strict_mode_raises_naming_the_parameters(script_runs):
 def test_verify_shows_no_saving_for_eval_mode_without_the_fix(script_runs):
     """warn mode leaves a model in eval mode as it is (R5 only warns): checkpointing does nothing,
     and verify measures it; fix mode (R5) saves 92%."""
-    run = script_runs.get(SCRIPT, "--setup", "eval", gcpatch=True, env={"GCPATCH_MODE": "warn", **VERIFY})
+    run = script_runs.get(
+        SCRIPT, "--setup", "eval", gcpatch=True, env={"GCPATCH_MODE": "warn", **VERIFY}
+    )
     assert run.result["training"] is False
     rep = verify_record(run)
     assert rep["gradients_match"]
@@ -111,6 +126,13 @@ def test_user_step_is_bit_identical_with_and_without_verify(script_runs, setup):
     with_verify = script_runs.get(SCRIPT, "--setup", setup, gcpatch=True, env=VERIFY).result
     without = script_runs.get(SCRIPT, "--setup", setup, gcpatch=True).result
     assert verify_lines(script_runs.get(SCRIPT, "--setup", setup, gcpatch=True)) == []
-    for key in ("first_step_grads", "first_step_grad_none", "params_after", "optimizer_state", "rng_after",
-                "python_rng_after", "losses"):
+    for key in (
+        "first_step_grads",
+        "first_step_grad_none",
+        "params_after",
+        "optimizer_state",
+        "rng_after",
+        "python_rng_after",
+        "losses",
+    ):
         assert with_verify[key] == without[key], key

@@ -4,28 +4,42 @@ Each rank verifies its own replica: no hang, one verify line per rank, and every
 all-reduced gradients, parameters, optimizer state and RNG stream bit-identical to the same run
 without verify (a collective or a second all-reduce triggered by verify would change them or
 hang)."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
-
 from _asserts import assert_installed_gcpatch_ran
 from _run import Spec
 
 VERIFY = {"GCPATCH_VERIFY": "1"}
 DDP = "verify_ddp.py"
 TRAINER = "verify_trainer.py"
-RUNS = ([Spec(DDP, ("--find-unused", f), env=e, launcher="torchrun2")
-         for f in ("no", "yes") for e in (tuple(VERIFY.items()), ())]
-        + [Spec(TRAINER, ("--trainer", t), env=e) for t in ("hf", "sft") for e in (tuple(VERIFY.items()), ())]
-        + [Spec(TRAINER, ("--trainer", "hf"), env=e, launcher="torchrun2") for e in (tuple(VERIFY.items()), ())])
+RUNS = (
+    [
+        Spec(DDP, ("--find-unused", f), env=e, launcher="torchrun2")
+        for f in ("no", "yes")
+        for e in (tuple(VERIFY.items()), ())
+    ]
+    + [
+        Spec(TRAINER, ("--trainer", t), env=e)
+        for t in ("hf", "sft")
+        for e in (tuple(VERIFY.items()), ())
+    ]
+    + [
+        Spec(TRAINER, ("--trainer", "hf"), env=e, launcher="torchrun2")
+        for e in (tuple(VERIFY.items()), ())
+    ]
+)
 
 KEYS = ("first_step_grads", "params_after", "rng_after", "losses")
 
 
 def verify_lines(run) -> list[str]:
-    return [line for line in run.stderr.splitlines() if re.match(r"gcpatch: rank \d+ verify ", line)]
+    return [
+        line for line in run.stderr.splitlines() if re.match(r"gcpatch: rank \d+ verify ", line)
+    ]
 
 
 def assert_one_matching_line_per_rank(run, ranks: int) -> None:
@@ -42,7 +56,9 @@ def assert_one_matching_line_per_rank(run, ranks: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("find_unused", ["no", "yes"])
 def test_ddp_two_ranks_verify_each_replica_without_touching_the_step(script_runs, find_unused):
-    run = script_runs.get(DDP, "--find-unused", find_unused, gcpatch=True, env=VERIFY, launcher="torchrun2")
+    run = script_runs.get(
+        DDP, "--find-unused", find_unused, gcpatch=True, env=VERIFY, launcher="torchrun2"
+    )
     assert_installed_gcpatch_ran(run)
     assert [r["rank"] for r in run.results] == [0, 1]
     # no: reentrant kept (verify's own backward runs reentrant under DDP); yes: R4 made it non-reentrant
@@ -71,7 +87,9 @@ def test_trainers_verify_once_and_train_identically(script_runs, trainer):
 
 @pytest.mark.distributed
 def test_trainer_on_two_ranks_one_verify_line_per_rank(script_runs):
-    run = script_runs.get(TRAINER, "--trainer", "hf", gcpatch=True, env=VERIFY, launcher="torchrun2")
+    run = script_runs.get(
+        TRAINER, "--trainer", "hf", gcpatch=True, env=VERIFY, launcher="torchrun2"
+    )
     assert_one_matching_line_per_rank(run, 2)
     without = script_runs.get(TRAINER, "--trainer", "hf", gcpatch=True, launcher="torchrun2")
     for got, ref in zip(run.results, without.results):

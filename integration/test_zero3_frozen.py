@@ -9,6 +9,7 @@ ZeRO-3 (it reads the deepspeed plugin's published gate, `zero3_nonreentrant_reco
 explicit choice is kept, reentrant exact through R2's input-grads hook; below that R3's reentrant +
 input-grads hook stands, and R1 stands back.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,11 +20,15 @@ import pytest
 pytest.importorskip("deepspeed")
 torch = pytest.importorskip("torch")
 
-from packaging.version import Version  # noqa: E402
-
-from _asserts import (assert_explain_lists_every_decision, assert_installed_gcpatch_ran, assert_plain,  # noqa: E402
-                      final_enable_record, winner)
+from _asserts import (  # noqa: E402
+    assert_explain_lists_every_decision,
+    assert_installed_gcpatch_ran,
+    assert_plain,
+    final_enable_record,
+    winner,
+)
 from _run import Spec  # noqa: E402
+from packaging.version import Version  # noqa: E402
 
 pytestmark = pytest.mark.zero3
 
@@ -45,8 +50,13 @@ def _wrong(run, script_runs) -> list[str]:
     ref = torch.load(ref_run["grads_file"])
     got = torch.load(run.result["grads_file"])
     assert got.keys() == ref.keys() and len(ref) == 12 and all(g is not None for g in ref.values())
-    return sorted(n for n, g in got.items()
-                  if g is None or not torch.allclose(g, ref[n], atol=1e-6, rtol=0) or not bool(ref[n].abs().sum()))
+    return sorted(
+        n
+        for n, g in got.items()
+        if g is None
+        or not torch.allclose(g, ref[n], atol=1e-6, rtol=0)
+        or not bool(ref[n].abs().sum())
+    )
 
 
 @pytest.mark.parametrize("choice", CHOICES)
@@ -57,7 +67,9 @@ def test_zero3_partially_frozen_gets_exact_gradients(script_runs, choice):
     assert run.result["zero3_partitioned_at_build"]
     assert _wrong(run, script_runs) == []
     ref = _get(script_runs, "nogc", False).result["losses"]
-    assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(run.result["losses"], ref)), run.result["losses"]
+    assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(run.result["losses"], ref)), (
+        run.result["losses"]
+    )
 
 
 @pytest.mark.parametrize("choice", CHOICES)
@@ -67,7 +79,9 @@ def test_zero3_partially_frozen_rule_follows_the_deepspeed_gate(script_runs, cho
     facts = last["facts"]
     assert facts["zero3"] is True and facts["peft"] is False and facts["frozen_params"] > 0
     assert facts["framework_facts"] == {"zero3_nonreentrant_recompute": FIXED}
-    if FIXED:  # R1 knows R3's gate and acts as it does without ZeRO-3: the embeddings feed the stack
+    if (
+        FIXED
+    ):  # R1 knows R3's gate and acts as it does without ZeRO-3: the embeddings feed the stack
         # (here as inputs_embeds), R2's input-grads hook makes reentrant exact, so R1 only recommends
         # non-reentrant and the user's explicit choice is kept (the gradients test compares them)
         asked = choice == "true"
@@ -77,7 +91,9 @@ def test_zero3_partially_frozen_rule_follows_the_deepspeed_gate(script_runs, cho
             assert last["applied"]["input_grads_hook"] is True and "R2" in last["rules"]
         assert all("R3" not in rec["rules"] for rec in run.records())
     else:  # R3's reentrant + hook; R1 stands back (a required False would outrank R3 and crash)
-        assert last["applied"]["use_reentrant"] is True and last["applied"]["input_grads_hook"] is True
+        assert (
+            last["applied"]["use_reentrant"] is True and last["applied"]["input_grads_hook"] is True
+        )
         assert winner(last) == "R3"
         assert not any(v["rule"] == "R1" for v in last["decision"]["overruled"])
     assert run.result["applied_use_reentrant"] is last["applied"]["use_reentrant"]

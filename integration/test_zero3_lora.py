@@ -6,6 +6,7 @@ DeepSpeed < 0.19.3: non-reentrant recompute of ZeRO-3-partitioned frozen paramet
 CheckpointError; gcpatch's R3 applies reentrant + the input-grads hook even over the user's False.
 0.19.3 (the fix): no R3, every choice works.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,11 +17,15 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("deepspeed")
 
-from packaging.version import Version  # noqa: E402
-
-from _asserts import (assert_explain_lists_every_decision, assert_installed_gcpatch_ran, assert_plain,  # noqa: E402
-                      final_enable_record, winner)
+from _asserts import (
+    assert_explain_lists_every_decision,
+    assert_installed_gcpatch_ran,
+    assert_plain,  # noqa: E402
+    final_enable_record,
+    winner,
+)
 from _run import V5, Spec, outside_plugin_range  # noqa: E402
+from packaging.version import Version  # noqa: E402
 
 OUT_OF_RANGE = outside_plugin_range("peft")
 pytestmark = [pytest.mark.zero3, pytest.mark.skipif(bool(OUT_OF_RANGE), reason=OUT_OF_RANGE)]
@@ -66,7 +71,9 @@ def test_zero3_lora_finishes_with_the_no_checkpointing_losses(script_runs, choic
     r = run.result
     assert r["zero3_partitioned_at_build"]
     assert r["error"] is None, r["error"]
-    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(r["losses"], _reference(script_runs))), r["losses"]
+    assert all(
+        math.isclose(a, b, abs_tol=1e-4) for a, b in zip(r["losses"], _reference(script_runs))
+    ), r["losses"]
     assert len(r["losses"]) == 2
 
 
@@ -87,7 +94,9 @@ def test_zero3_record_says_which_rule_chose(script_runs, choice):
     else:
         assert last["applied"]["input_grads_hook"] is True
         if choice == "false":  # fix mode: R3 over the user's False, with a warning
-            assert any(v["rule"] == "USER" and v["value"] is False for v in last["decision"]["overruled"])
+            assert any(
+                v["rule"] == "USER" and v["value"] is False for v in last["decision"]["overruled"]
+            )
             assert any("R3" in w for w in last["decision"]["warnings"])
     assert_explain_lists_every_decision(run)
 
@@ -103,4 +112,6 @@ def test_plain_zero3_lora(script_runs, choice):
         assert "Recomputed values" in r["error"]
     else:
         assert r["error"] is None, r["error"]
-        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(r["losses"], _reference(script_runs)))
+        assert all(
+            math.isclose(a, b, abs_tol=1e-4) for a, b in zip(r["losses"], _reference(script_runs))
+        )

@@ -18,6 +18,7 @@ run and installed into each cell (--no-deps --force-reinstall), as the integrati
 The cells run on Python 3.11 (the only Python torch 2.13's CPU wheel exists for, see docs/CI.md); other
 Pythons run the framework-free suite (--pythons).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,23 +37,49 @@ RELEASES = ROOT / "matrix" / "releases.csv"
 RESULTS_JSON = ROOT / "matrix" / "results.json"
 RESULTS_MD = ROOT / "matrix" / "RESULTS.md"
 PYTHON = os.environ.get("GCPATCH_MATRIX_PYTHON", shutil.which("python3.11") or sys.executable)
-BASE_REQS = ["torch==2.13.0", "pytest>=7", "hypothesis", "bitsandbytes==0.50.*", "wrapt", "pluggy", "packaging"]
+BASE_REQS = [
+    "torch==2.13.0",
+    "pytest>=7",
+    "hypothesis",
+    "bitsandbytes==0.50.*",
+    "wrapt",
+    "pluggy",
+    "packaging",
+]
 
 # What each column of the table proves, and the tests that prove it (the same files on every cell).
 RULES: list[tuple[str, str, list[str]]] = [
     ("patch points", "X1 entry points once, restored by identity", ["tests/test_patch_points.py"]),
     ("canaries", "shape of every upstream patch point", ["tests/test_canaries.py"]),
-    ("R1 frozen", "R1 partially frozen + reentrant, input_ids and inputs_embeds", ["integration/test_frozen_gradients.py"]),
+    (
+        "R1 frozen",
+        "R1 partially frozen + reentrant, input_ids and inputs_embeds",
+        ["integration/test_frozen_gradients.py"],
+    ),
     ("P4 LoRA", "P4 LoRA + inputs_embeds, both orders", ["integration/test_lora_embeds.py"]),
-    ("R5 eval", "R5 eval-mode model checkpoints, same results", ["integration/test_eval_mode.py",
-                                                                 "integration/test_eval_mode_llama.py"]),
-    ("X3 Trainer", "X3 Trainer re-enable keeps the user's ask", ["integration/test_trainer_reenable.py",
-                                                                 "integration/test_trainer_gradients.py"]),
-    ("X1 args", "every argument of the enable call survives", ["integration/test_enable_arguments.py"]),
+    (
+        "R5 eval",
+        "R5 eval-mode model checkpoints, same results",
+        ["integration/test_eval_mode.py", "integration/test_eval_mode_llama.py"],
+    ),
+    (
+        "X3 Trainer",
+        "X3 Trainer re-enable keeps the user's ask",
+        ["integration/test_trainer_reenable.py", "integration/test_trainer_gradients.py"],
+    ),
+    (
+        "X1 args",
+        "every argument of the enable call survives",
+        ["integration/test_enable_arguments.py"],
+    ),
     ("P1 QLoRA", "P1 4-bit + reentrant", ["integration/test_qlora_4bit.py"]),
     ("T1 TRL", "TRL SFT + PEFT", ["integration/test_trl_peft.py"]),
     ("R4 DDP", "R4 DDP find_unused over 2 ranks", ["integration/test_ddp_unused.py"]),
-    ("F2 FSDP", "F2 reentrant recompute that encloses FSDP's unshard all-gathers again", ["integration/test_fsdp_all_gather.py"]),
+    (
+        "F2 FSDP",
+        "F2 reentrant recompute that encloses FSDP's unshard all-gathers again",
+        ["integration/test_fsdp_all_gather.py"],
+    ),
     # what CI's tox env of a release ran before CI kept only the core columns on 4.57 and the oldest
     ("suite", "the whole suite, every unit and integration test", ["tests", "integration"]),
 ]
@@ -71,7 +98,9 @@ def envs_dir() -> Path:
     return Path(os.environ.get("GCPATCH_MATRIX_ENVS") or cache / "gcpatch-matrix")
 
 
-def sh(cmd: list[str], log: Path | None = None, timeout: int = 1800, **kw) -> subprocess.CompletedProcess:
+def sh(
+    cmd: list[str], log: Path | None = None, timeout: int = 1800, **kw
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
     if log is not None:
         with log.open("a") as fh:
@@ -90,7 +119,17 @@ def base_env(log: Path) -> Path:
         return base
     shutil.rmtree(base, ignore_errors=True)
     sh([PYTHON, "-m", "venv", str(base)], log)
-    proc = sh([str(base / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"), *BASE_REQS], log)
+    proc = sh(
+        [
+            str(base / "bin" / "pip"),
+            "install",
+            "-q",
+            "-c",
+            str(ROOT / "constraints.txt"),
+            *BASE_REQS,
+        ],
+        log,
+    )
     if proc.returncode:
         raise SystemExit(f"base environment failed, see {log}")
     marker.write_text("\n".join(BASE_REQS))
@@ -98,11 +137,17 @@ def base_env(log: Path) -> Path:
 
 
 def cell_reqs(row: dict[str, str]) -> list[str]:
-    return [f"transformers=={row['transformers']}", f"peft=={row['peft']}", f"trl=={row['trl']}",
-            f"accelerate=={row['accelerate']}", "datasets>=2.18"] + (
-            # accelerate < 1.0 pins numpy < 2, and newer pyarrow (datasets) refuses numpy 1.x at import
-            # time without declaring it: keep pyarrow where both numpy generations work
-            ["pyarrow<21"] if int(row["accelerate"].split(".")[0]) < 1 else [])
+    return [
+        f"transformers=={row['transformers']}",
+        f"peft=={row['peft']}",
+        f"trl=={row['trl']}",
+        f"accelerate=={row['accelerate']}",
+        "datasets>=2.18",
+    ] + (
+        # accelerate < 1.0 pins numpy < 2, and newer pyarrow (datasets) refuses numpy 1.x at import
+        # time without declaring it: keep pyarrow where both numpy generations work
+        ["pyarrow<21"] if int(row["accelerate"].split(".")[0]) < 1 else []
+    )
 
 
 def cell_env(row: dict[str, str], base: Path, log: Path) -> tuple[Path | None, str]:
@@ -115,7 +160,10 @@ def cell_env(row: dict[str, str], base: Path, log: Path) -> tuple[Path | None, s
     shutil.rmtree(venv, ignore_errors=True)
     sh([PYTHON, "-m", "venv", str(venv)], log)
     (site_packages(venv) / "_matrix_base.pth").write_text(str(site_packages(base)) + "\n")
-    proc = sh([str(venv / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"), *reqs], log)
+    proc = sh(
+        [str(venv / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"), *reqs],
+        log,
+    )
     if proc.returncode:
         return None, "pip: " + _last_error(proc.stderr)
     marker.write_text("\n".join(reqs))
@@ -123,7 +171,11 @@ def cell_env(row: dict[str, str], base: Path, log: Path) -> tuple[Path | None, s
 
 
 def _last_error(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("WARNING: Location")]
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.strip() and not line.startswith("WARNING: Location")
+    ]
     errors = [line for line in lines if "Error" in line or "ERROR" in line]
     return (errors[-1] if errors else (lines[-1] if lines else "no output")).strip()[:300]
 
@@ -141,8 +193,12 @@ print("SMOKE", transformers.__version__, torch.__version__)
 
 def smoke(venv: Path, log: Path) -> str:
     """'' when the release builds, trains and checkpoints a tiny Llama on this torch; else the error."""
-    proc = sh([str(venv / "bin" / "python"), "-c", SMOKE], log, timeout=600,
-              env={**os.environ, "HF_HUB_OFFLINE": "1", "GCPATCH": "0"})
+    proc = sh(
+        [str(venv / "bin" / "python"), "-c", SMOKE],
+        log,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "GCPATCH": "0"},
+    )
     return "" if proc.returncode == 0 and "SMOKE" in proc.stdout else _last_error(proc.stderr)
 
 
@@ -150,31 +206,50 @@ def code_version() -> str:
     """The gcpatch commit the wheel is built from (`-dirty`: with uncommitted changes besides the
     results files this runner writes), recorded with every column a run proves, so the table says
     which code each cell proved."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True
+        ).stdout.strip()
 
     commit = git("rev-parse", "--short=7", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--", ".", f":!{RESULTS_JSON.relative_to(ROOT)}",
-                  f":!{RESULTS_MD.relative_to(ROOT)}")
+    changed = git(
+        "status",
+        "--porcelain",
+        "--",
+        ".",
+        f":!{RESULTS_JSON.relative_to(ROOT)}",
+        f":!{RESULTS_MD.relative_to(ROOT)}",
+    )
     return f"{commit}-dirty" if changed else commit
 
 
 def build_gcpatch(log: Path) -> Path:
     out = envs_dir() / f"wheel-{os.getpid()}"  # one per run: runs may overlap
     shutil.rmtree(out, ignore_errors=True)
-    proc = sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)], log)
+    proc = sh(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)], log
+    )
     if proc.returncode:
         raise SystemExit(f"building gcpatch failed, see {log}")
     return next(out.glob("gcpatch-*.whl"))
 
 
-def run_cell(row: dict[str, str], columns: list[str], wheel: Path, base: Path, logs: Path, code: str) -> dict:
+def run_cell(
+    row: dict[str, str], columns: list[str], wheel: Path, base: Path, logs: Path, code: str
+) -> dict:
     version = row["transformers"]
     log = logs / f"tf-{version}.log"
     log.unlink(missing_ok=True)
     start = time.monotonic()
-    cell: dict = {"transformers": version, "peft": row["peft"], "trl": row["trl"], "python": row["python"],
-                  "torch": row["torch"], "rules": {}}
+    cell: dict = {
+        "transformers": version,
+        "peft": row["peft"],
+        "trl": row["trl"],
+        "python": row["python"],
+        "torch": row["torch"],
+        "rules": {},
+    }
     venv, error = cell_env(row, base, log)
     if venv is not None:
         error = smoke(venv, log)
@@ -182,24 +257,61 @@ def run_cell(row: dict[str, str], columns: list[str], wheel: Path, base: Path, l
         cell["unsupported"] = error
         cell["wall_s"] = round(time.monotonic() - start, 1)
         return cell
-    sh([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], log)
-    files = list(dict.fromkeys(f for name, _, fs in RULES if name in columns for f in fs if (ROOT / f).exists()))
+    sh(
+        [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
+        log,
+    )
+    files = list(
+        dict.fromkeys(
+            f for name, _, fs in RULES if name in columns for f in fs if (ROOT / f).exists()
+        )
+    )
     junit = logs / f"tf-{version}.xml"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GCPATCH_IT_WORKERS": os.environ.get("GCPATCH_IT_WORKERS", "1"),
-           "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "GCPATCH_IT_WORKERS": os.environ.get("GCPATCH_IT_WORKERS", "1"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     env.pop("GCPATCH", None)
-    sh([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files],
-       log, timeout=3600, cwd=ROOT, env=env)
-    cell["rules"] = {name: {**result, "code": code} for name, result in summarise(junit, columns).items()}
+    sh(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            *files,
+        ],
+        log,
+        timeout=3600,
+        cwd=ROOT,
+        env=env,
+    )
+    cell["rules"] = {
+        name: {**result, "code": code} for name, result in summarise(junit, columns).items()
+    }
     cell["wall_s"] = round(time.monotonic() - start, 1)
     return cell
 
 
 # The same files as tox.ini's py39 ... py313 envs (tests/test_matrix_table.py keeps the two the same).
-FRAMEWORK_FREE = ["tests/test_activation.py", "tests/test_resolve.py", "tests/test_version_ranges.py",
-                  "tests/test_canaries.py", "tests/test_plugin_failures.py", "tests/test_patch_points.py",
-                  "tests/test_matrix_table.py", "tests/test_import_layers.py", "tests/test_cli.py",
-                  "tests/test_packaging.py", "tests/test_ci_script.py", "tests/test_plugin_api.py"]
+FRAMEWORK_FREE = [
+    "tests/test_activation.py",
+    "tests/test_resolve.py",
+    "tests/test_version_ranges.py",
+    "tests/test_canaries.py",
+    "tests/test_plugin_failures.py",
+    "tests/test_patch_points.py",
+    "tests/test_matrix_table.py",
+    "tests/test_import_layers.py",
+    "tests/test_cli.py",
+    "tests/test_packaging.py",
+    "tests/test_ci_script.py",
+    "tests/test_plugin_api.py",
+]
 
 
 def interpreter(version: str) -> str | None:
@@ -216,27 +328,64 @@ def run_python_cell(version: str, wheel: Path, logs: Path) -> dict:
     """The framework-free suite on another Python (no torch 2.13 CPU build exists for it)."""
     log = logs / f"py{version}.log"
     log.unlink(missing_ok=True)
-    cell = {"python": version, "torch": "none (no CPU build on the registry)",
-            "what": "framework-free suite: " + ", ".join(f"`{f.split('/')[-1]}`" for f in FRAMEWORK_FREE)}
+    cell = {
+        "python": version,
+        "torch": "none (no CPU build on the registry)",
+        "what": "framework-free suite: "
+        + ", ".join(f"`{f.split('/')[-1]}`" for f in FRAMEWORK_FREE),
+    }
     exe = interpreter(version)
     if exe is None:
         return {**cell, "result": "not run: interpreter not found"}
     venv = envs_dir() / f"py{version}"
     if not (venv / "bin" / "python").exists():
         sh([exe, "-m", "venv", str(venv)], log)
-    sh([str(venv / "bin" / "pip"), "install", "-q", "pytest>=7", "hypothesis", "wrapt", "pluggy", "packaging"], log)
-    sh([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], log)
+    sh(
+        [
+            str(venv / "bin" / "pip"),
+            "install",
+            "-q",
+            "pytest>=7",
+            "hypothesis",
+            "wrapt",
+            "pluggy",
+            "packaging",
+        ],
+        log,
+    )
+    sh(
+        [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
+        log,
+    )
     junit = logs / f"py{version}.xml"
     # results.json changes while the matrix runs: whether RESULTS.md matches it is checked by tox, not here
     stale = "--deselect=tests/test_matrix_table.py::test_committed_results_table_is_the_rendered_results"
-    proc = sh([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-               stale, *FRAMEWORK_FREE], log, timeout=1800, cwd=ROOT)
-    exact = sh([str(venv / "bin" / "python"), "-c", "import sys; print(sys.version.split()[0])"]).stdout.strip()
+    proc = sh(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            stale,
+            *FRAMEWORK_FREE,
+        ],
+        log,
+        timeout=1800,
+        cwd=ROOT,
+    )
+    exact = sh(
+        [str(venv / "bin" / "python"), "-c", "import sys; print(sys.version.split()[0])"]
+    ).stdout.strip()
     counts = {"pass": 0, "skip": 0, "fail": 0}
     if junit.exists():
         for case in ET.parse(junit).iter("testcase"):
             tags = {child.tag for child in case}
-            counts["fail" if tags & {"failure", "error"} else "skip" if "skipped" in tags else "pass"] += 1
+            counts[
+                "fail" if tags & {"failure", "error"} else "skip" if "skipped" in tags else "pass"
+            ] += 1
     result = f"{counts['pass']} passed, {counts['skip']} skipped (framework tests: not installed), {counts['fail']} failed"
     if not junit.exists():
         result = f"not run: pytest exited {proc.returncode}"
@@ -254,24 +403,44 @@ def summarise(junit: Path, columns: list[str]) -> dict[str, dict]:
                 if child.tag in ("failure", "error"):
                     outcome, detail = "fail", (child.get("message") or "")[:200]
                 elif child.tag == "skipped":
-                    outcome, detail = "skip", (child.get("message") or "").removeprefix("Skipped: ")[:200]
+                    outcome, detail = (
+                        "skip",
+                        (child.get("message") or "").removeprefix("Skipped: ")[:200],
+                    )
             cases.setdefault(path, []).append((case.get("name", ""), outcome, detail))
     out = {}
     for name, _, files in RULES:
         if name not in columns:
             continue
-        got = [c for f in files for key, cs in cases.items()
-               if key == f.removesuffix(".py") or key.startswith(f + "/") for c in cs]
+        got = [
+            c
+            for f in files
+            for key, cs in cases.items()
+            if key == f.removesuffix(".py") or key.startswith(f + "/")
+            for c in cs
+        ]
         if not got:
-            out[name] = {"state": "fail" if junit.exists() else "not run", "detail": "no test collected"}
+            out[name] = {
+                "state": "fail" if junit.exists() else "not run",
+                "detail": "no test collected",
+            }
             continue
         fails = [c for c in got if c[1] == "fail"]
         passes = [c for c in got if c[1] == "pass"]
         skips = [c for c in got if c[1] == "skip"]
         if fails:
-            out[name] = {"state": "fail", "n": len(fails), "of": len(got), "detail": f"{fails[0][0]}: {fails[0][2]}"}
+            out[name] = {
+                "state": "fail",
+                "n": len(fails),
+                "of": len(got),
+                "detail": f"{fails[0][0]}: {fails[0][2]}",
+            }
         elif passes:
-            out[name] = {"state": "pass", "n": len(passes), "skipped": sorted({c[2] for c in skips})}
+            out[name] = {
+                "state": "pass",
+                "n": len(passes),
+                "skipped": sorted({c[2] for c in skips}),
+            }
         else:
             out[name] = {"state": "skip", "detail": sorted({c[2] for c in skips})[0]}
     return out
@@ -282,7 +451,9 @@ def save(key: str, value: object) -> dict:
     results = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
     results[key] = value
     RESULTS_JSON.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    RESULTS_MD.write_text(render(results))  # the two files always agree (tests/test_matrix_table.py)
+    RESULTS_MD.write_text(
+        render(results)
+    )  # the two files always agree (tests/test_matrix_table.py)
     return results
 
 
@@ -306,10 +477,15 @@ def render(results: dict) -> str:
         "",
     ]
     lines += [_summary(rows, results), "", "| column | what it proves | tests |", "|---|---|---|"]
-    lines += [f"| {n} | {what} | {', '.join(f'`{f}`' for f in files)} |" for n, what, files in RULES]
+    lines += [
+        f"| {n} | {what} | {', '.join(f'`{f}`' for f in files)} |" for n, what, files in RULES
+    ]
     names = [n for n, _, _ in RULES]
-    lines += ["", "| transformers | peft | trl | python | " + " | ".join(names) + " | time | gcpatch |",
-              "|---" * (len(names) + 6) + "|"]
+    lines += [
+        "",
+        "| transformers | peft | trl | python | " + " | ".join(names) + " | time | gcpatch |",
+        "|---" * (len(names) + 6) + "|",
+    ]
     for row in rows:
         cell = results.get(row["transformers"])
         head = f"| {row['transformers']} | {row['peft']} | {row['trl']} | {row['python']} |"
@@ -317,8 +493,12 @@ def render(results: dict) -> str:
             lines.append(head + " not run |" * len(names) + " | |")
             continue
         if cell.get("unsupported"):
-            lines.append(head + f" **unsupported on torch {cell['torch']}**: {_clean(cell['unsupported'])} |"
-                         + " |" * (len(names) - 1) + f" {cell['wall_s']:.0f} s | {_codes(cell)} |")
+            lines.append(
+                head
+                + f" **unsupported on torch {cell['torch']}**: {_clean(cell['unsupported'])} |"
+                + " |" * (len(names) - 1)
+                + f" {cell['wall_s']:.0f} s | {_codes(cell)} |"
+            )
             continue
         parts = []
         for n in names:
@@ -326,16 +506,31 @@ def render(results: dict) -> str:
             if r is None or r["state"] == "not run":
                 parts.append("not run")
             elif r["state"] == "pass":
-                parts.append(f"pass ({r['n']})" + ("; skip: " + _clean("; ".join(r["skipped"]), 200) if r["skipped"] else ""))
+                parts.append(
+                    f"pass ({r['n']})"
+                    + ("; skip: " + _clean("; ".join(r["skipped"]), 200) if r["skipped"] else "")
+                )
             elif r["state"] == "skip":
                 parts.append(f"skip: {_clean(r['detail'])}")
             else:
-                parts.append(f"**FAIL** ({r.get('n', '?')}/{r.get('of', '?')}): {_clean(r['detail'])}")
-        lines.append(head + "".join(f" {p} |" for p in parts) + f" {_time(cell)} | {_codes(cell)} |")
+                parts.append(
+                    f"**FAIL** ({r.get('n', '?')}/{r.get('of', '?')}): {_clean(r['detail'])}"
+                )
+        lines.append(
+            head + "".join(f" {p} |" for p in parts) + f" {_time(cell)} | {_codes(cell)} |"
+        )
     extra = results.get("_python")
     if extra:
-        lines += ["", "## Other Pythons", "", "| python | torch | what ran | result |", "|---|---|---|---|"]
-        lines += [f"| {p['python']} | {p['torch']} | {p['what']} | {_clean(p['result'])} |" for p in extra]
+        lines += [
+            "",
+            "## Other Pythons",
+            "",
+            "| python | torch | what ran | result |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {p['python']} | {p['torch']} | {p['what']} | {_clean(p['result'])} |" for p in extra
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -355,8 +550,11 @@ def _summary(rows: list[dict[str, str]], results: dict) -> str:
             continue
         for n in names:
             counts[cell["rules"].get(n, {}).get("state", "not run")] += 1
-    return (f"**{ran} of {len(rows)} releases run** ({unsupported} unsupported); release x rule cells: "
-            + ", ".join(f"{v} {k}" for k, v in counts.items()) + ".")
+    return (
+        f"**{ran} of {len(rows)} releases run** ({unsupported} unsupported); release x rule cells: "
+        + ", ".join(f"{v} {k}" for k, v in counts.items())
+        + "."
+    )
 
 
 def _codes(cell: dict) -> str:
@@ -365,7 +563,9 @@ def _codes(cell: dict) -> str:
     for result in cell.get("rules", {}).values():
         if result.get("state") != "not run":
             counts[result.get("code", "-")] = counts.get(result.get("code", "-"), 0) + 1
-    return ", ".join(f"{code} ({n})" for code, n in sorted(counts.items(), key=lambda item: item[0] == "-"))
+    return ", ".join(
+        f"{code} ({n})" for code, n in sorted(counts.items(), key=lambda item: item[0] == "-")
+    )
 
 
 def _time(cell: dict) -> str:
@@ -374,38 +574,67 @@ def _time(cell: dict) -> str:
     timing = cell.get("timing") or {}
     if not timing:
         return f"{cell['wall_s']:.0f} s"
-    return " + ".join(f"{s:.0f} s {label.replace(',', '/')}"
-                      for label, s in sorted(timing.items(), key=lambda item: item[0] != "core"))
+    return " + ".join(
+        f"{s:.0f} s {label.replace(',', '/')}"
+        for label, s in sorted(timing.items(), key=lambda item: item[0] != "core")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", default="all",
-                        help="'all', 'ci' (oldest, 4.57.6, newest), 'missing' (those without a result for every "
-                        "selected column), 'none', or versions, comma-separated")
-    parser.add_argument("--tests", default="core", help="'core', 'full' (every rule column), 'suite' (the whole suite) or column names, comma-separated")
-    parser.add_argument("--pythons", default="", help="other Pythons for the framework-free suite, e.g. 3.9,3.10,3.12,3.13 "
-                        "(with --cells all: these four unless given)")
+    parser.add_argument(
+        "--cells",
+        default="all",
+        help="'all', 'ci' (oldest, 4.57.6, newest), 'missing' (those without a result for every "
+        "selected column), 'none', or versions, comma-separated",
+    )
+    parser.add_argument(
+        "--tests",
+        default="core",
+        help="'core', 'full' (every rule column), 'suite' (the whole suite) or column names, comma-separated",
+    )
+    parser.add_argument(
+        "--pythons",
+        default="",
+        help="other Pythons for the framework-free suite, e.g. 3.9,3.10,3.12,3.13 "
+        "(with --cells all: these four unless given)",
+    )
     parser.add_argument("--render", action="store_true", help="only re-render RESULTS.md")
     args = parser.parse_args(argv)
     results = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
-    pythons = [p for p in (args.pythons or ("3.9,3.10,3.12,3.13" if args.cells == "all" else "")).split(",") if p]
+    pythons = [
+        p
+        for p in (args.pythons or ("3.9,3.10,3.12,3.13" if args.cells == "all" else "")).split(",")
+        if p
+    ]
     if not args.render:
         rows = releases()
         supported = [r for r in rows if r["status"] != "unsupported"]
-        columns = {"core": CORE, "full": [n for n, _, _ in RULES if n != "suite"]}.get(args.tests) or args.tests.split(",")
+        columns = {"core": CORE, "full": [n for n, _, _ in RULES if n != "suite"]}.get(
+            args.tests
+        ) or args.tests.split(",")
         unknown = sorted(set(columns) - {n for n, _, _ in RULES})
         if unknown:
-            parser.error(f"no such column: {', '.join(unknown)} (columns: {', '.join(n for n, _, _ in RULES)})")
+            parser.error(
+                f"no such column: {', '.join(unknown)} (columns: {', '.join(n for n, _, _ in RULES)})"
+            )
         if args.cells == "none":
             chosen = []
         elif args.cells == "all":
             chosen = rows
         elif args.cells == "missing":
-            chosen = [r for r in rows if not results.get(r["transformers"], {}).get("unsupported")
-                      and not set(columns) <= set(results.get(r["transformers"], {}).get("rules", {}))]
+            chosen = [
+                r
+                for r in rows
+                if not results.get(r["transformers"], {}).get("unsupported")
+                and not set(columns) <= set(results.get(r["transformers"], {}).get("rules", {}))
+            ]
         elif args.cells == "ci":
-            chosen = [supported[0], next(r for r in rows if r["transformers"] == "4.57.6"), rows[-1]]
+            chosen = [
+                supported[0],
+                next(r for r in rows if r["transformers"] == "4.57.6"),
+                rows[-1],
+            ]
         else:
             by_version = {r["transformers"]: r for r in rows}
             chosen = [by_version[v] for v in args.cells.split(",")]  # in the order given
@@ -418,11 +647,16 @@ def main(argv: list[str] | None = None) -> int:
             on_disk = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
             previous = on_disk.get(row["transformers"], {}).get("rules", {})
             cell["rules"] = {**previous, **cell["rules"]} if not cell.get("unsupported") else {}
-            cell["timing"] = {**on_disk.get(row["transformers"], {}).get("timing", {}), args.tests: cell["wall_s"]}
+            cell["timing"] = {
+                **on_disk.get(row["transformers"], {}).get("timing", {}),
+                args.tests: cell["wall_s"],
+            }
             results = save(row["transformers"], cell)
             states = {k: v["state"] for k, v in cell["rules"].items()}
-            print(f"transformers {row['transformers']}: {cell.get('unsupported') or states} ({cell['wall_s']} s)",
-                  flush=True)
+            print(
+                f"transformers {row['transformers']}: {cell.get('unsupported') or states} ({cell['wall_s']} s)",
+                flush=True,
+            )
         if pythons:
             for version in pythons:
                 cell = run_python_cell(version, wheel, logs)
@@ -430,10 +664,18 @@ def main(argv: list[str] | None = None) -> int:
                 on_disk = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
                 done = {p["python"].rsplit(".", 1)[0]: p for p in on_disk.get("_python", [])}
                 done[version] = cell
-                results = save("_python", [done[k] for k in sorted(done, key=lambda v: tuple(map(int, v.split("."))))])
+                results = save(
+                    "_python",
+                    [done[k] for k in sorted(done, key=lambda v: tuple(map(int, v.split("."))))],
+                )
     RESULTS_MD.write_text(render(results))
-    failed = [v for k, v in results.items() if not k.startswith("_")
-              for r in v.get("rules", {}).values() if r["state"] == "fail"]
+    failed = [
+        v
+        for k, v in results.items()
+        if not k.startswith("_")
+        for r in v.get("rules", {}).values()
+        if r["state"] == "fail"
+    ]
     return 1 if failed else 0
 
 

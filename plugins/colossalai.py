@@ -4,6 +4,7 @@ in the boosted model. gcpatch decides again there, where the model is final; a m
 eval mode is handled by R5 at its first training forward, including shardformer's replacement
 forwards, whose `self.training` check sits on the decoder stack rather than on the layers.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,13 +22,24 @@ from gcpatch.plugin import (
 )
 
 RULES = (
-    Rule("C1", "model.train() is ColossalAI's caller's job; left in eval mode, checkpointing does nothing: R5 "
-         "makes it take effect", "applications/Colossal-LLaMA/train.py; colossalai/booster/booster.py (0.5.0: boost)", documents=True),
-    Rule("C2", "non-reentrant recommended (a recommendation; LoRA + checkpointing is broken for some models, "
-         "e.g. ChatGLM)", "ColossalAI #5507"),
+    Rule(
+        "C1",
+        "model.train() is ColossalAI's caller's job; left in eval mode, checkpointing does nothing:"
+        " R5 makes it take effect",
+        "applications/Colossal-LLaMA/train.py; colossalai/booster/booster.py (0.5.0: boost)",
+        documents=True,
+    ),
+    Rule(
+        "C2",
+        "non-reentrant recommended (a recommendation; LoRA + checkpointing is broken for some"
+        " models, e.g. ChatGLM)",
+        "ColossalAI #5507",
+    ),
 )
 
-INFO = PluginInfo(name="colossalai", framework="colossalai", versions=">=0.4,<0.6", rules=RULES, proven="==0.5.*")
+INFO = PluginInfo(
+    name="colossalai", framework="colossalai", versions=">=0.4,<0.6", rules=RULES, proven="==0.5.*"
+)
 
 
 @hookimpl
@@ -37,15 +49,29 @@ def gcpatch_plugin_info() -> PluginInfo:
 
 @hookimpl
 def gcpatch_patch_points() -> list[PatchPoint]:
-    return [PatchPoint("colossalai.booster.booster", "Booster.boost", _boost,
-                       why="C1/C2: decide again once the model is boosted (LoRA, plugin wrappers in place)")]
+    return [
+        PatchPoint(
+            "colossalai.booster.booster",
+            "Booster.boost",
+            _boost,
+            why="C1/C2: decide again once the model is boosted (LoRA, plugin wrappers in place)",
+        )
+    ]
 
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
     if facts.stage == "enable" and facts.source.startswith("colossalai"):
-        return [Vote(USE_REENTRANT, False, RECOMMENDED, "C2", "ColossalAI recommends non-reentrant",
-                     short="ColossalAI's recommendation")]
+        return [
+            Vote(
+                USE_REENTRANT,
+                False,
+                RECOMMENDED,
+                "C2",
+                "ColossalAI recommends non-reentrant",
+                short="ColossalAI's recommendation",
+            )
+        ]
     return []
 
 

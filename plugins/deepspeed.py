@@ -3,6 +3,7 @@ and recompute, so non-reentrant checkpointing raises `CheckpointError: Recompute
 different metadata` on releases without the fix (trl#2514). There reentrant + the input-grads
 hook is the only correct choice (R3, TRL T2, Axolotl A3); fixed releases need no override.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,13 +30,24 @@ FIRST_FIXED = Version("0.19.3")
 log = logging.getLogger("gcpatch")
 
 RULES = (
-    Rule("R3", f"ZeRO-3 + frozen or PEFT parameters on DeepSpeed < {FIRST_FIXED} -> reentrant + input-grads hook, "
-         "even over the user's False (non-reentrant raises CheckpointError on recompute)",
-         "deepspeed/runtime/zero/partitioned_param_coordinator.py (in_checkpoint_recompute), trl#2514, TRL T2, "
-         "Axolotl A3", f"deepspeed<{FIRST_FIXED}"),
+    Rule(
+        "R3",
+        f"ZeRO-3 + frozen or PEFT parameters on DeepSpeed < {FIRST_FIXED} -> reentrant +"
+        " input-grads hook, even over the user's False (non-reentrant raises CheckpointError on"
+        " recompute)",
+        "deepspeed/runtime/zero/partitioned_param_coordinator.py (in_checkpoint_recompute),"
+        " trl#2514, TRL T2, Axolotl A3",
+        f"deepspeed<{FIRST_FIXED}",
+    ),
 )
 
-INFO = PluginInfo(name="deepspeed", framework="deepspeed", versions=">=0.9", rules=RULES, proven=">=0.18.9,<=0.19.3")
+INFO = PluginInfo(
+    name="deepspeed",
+    framework="deepspeed",
+    versions=">=0.9",
+    rules=RULES,
+    proven=">=0.18.9,<=0.19.3",
+)
 
 
 @hookimpl
@@ -60,21 +72,44 @@ def gcpatch_facts(facts: Facts) -> dict:
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    if facts.stage not in ("enable", "config") or not facts.zero3 or not (facts.peft or facts.frozen_params):
+    if (
+        facts.stage not in ("enable", "config")
+        or not facts.zero3
+        or not (facts.peft or facts.frozen_params)
+    ):
         return []
     version = _version(facts)
     if not _lacks_fix(version):
         return []
-    why = (f"ZeRO-3 with frozen parameters on DeepSpeed {version} (< {FIRST_FIXED}): "
-           "non-reentrant recompute raises CheckpointError")
-    return [Vote(USE_REENTRANT, True, REQUIRED, "R3", why, avoids=CRASH,
-                 short=f"ZeRO-3 + frozen params, DeepSpeed {version}: non-reentrant crashes"),
-            Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R3", "reentrant kept for ZeRO-3: the first input must need grad",
-                 avoids=CRASH)]
+    why = (
+        f"ZeRO-3 with frozen parameters on DeepSpeed {version} (< {FIRST_FIXED}): "
+        "non-reentrant recompute raises CheckpointError"
+    )
+    return [
+        Vote(
+            USE_REENTRANT,
+            True,
+            REQUIRED,
+            "R3",
+            why,
+            avoids=CRASH,
+            short=f"ZeRO-3 + frozen params, DeepSpeed {version}: non-reentrant crashes",
+        ),
+        Vote(
+            INPUT_GRADS_HOOK,
+            True,
+            REQUIRED,
+            "R3",
+            "reentrant kept for ZeRO-3: the first input must need grad",
+            avoids=CRASH,
+        ),
+    ]
 
 
 def _version(facts: Facts) -> str | None:
-    return facts.versions.get("deepspeed") or installed_version("deepspeed")  # a config is decided before the import
+    return facts.versions.get("deepspeed") or installed_version(
+        "deepspeed"
+    )  # a config is decided before the import
 
 
 def _lacks_fix(version: str | None) -> bool:
@@ -83,6 +118,10 @@ def _lacks_fix(version: str | None) -> bool:
     try:
         return version is not None and Version(version) < FIRST_FIXED
     except InvalidVersion:
-        log.warning("gcpatch: DeepSpeed version %r is not a PEP 440 version; R3 assumes it lacks the "
-                    "recompute fix of %s", version, FIRST_FIXED)
+        log.warning(
+            "gcpatch: DeepSpeed version %r is not a PEP 440 version; R3 assumes it lacks the "
+            "recompute fix of %s",
+            version,
+            FIRST_FIXED,
+        )
         return True

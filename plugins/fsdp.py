@@ -17,6 +17,7 @@ Which FSDP is enclosed depends on where the checkpoint sits (`Facts.checkpoint_s
 It is a cost, not a failure: F2 recommends non-reentrant, and an explicit reentrant ask is kept
 and told the cost.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,21 +35,31 @@ from gcpatch.plugin import (
 )
 
 RULES = (
-    Rule("F1", "FSDP wrapping (FSDP1, FSDP2 fully_shard, accelerate's FSDP plugin) and FSDP's own activation "
-         "checkpointing are facts of the decision, decided again when FSDP wraps the model or adds its checkpoint "
-         "wrappers",
-         "torch/distributed/fsdp/_fully_shard/_fully_shard.py, torch/distributed/algorithms/_checkpoint/"
-         "checkpoint_wrapper.py", documents=True),
-    Rule("F2", "FSDP + a checkpoint call that encloses FSDP's unshard (FSDP1: layers checkpointed by the stack's "
-         "loop, before GradientCheckpointingLayer; FSDP2: also GradientCheckpointingLayer's __call__, transformers "
-         "4.52-5.22) -> non-reentrant recommended: reentrant recompute all-gathers again in backward (FSDP1 each "
-         "unit, FSDP2 its forward prefetch); an explicit reentrant ask is kept and told the cost",
-         "transformers#30404, pytorch#105635; torch/distributed/fsdp/_flat_param.py "
-         "(FlatParamHandle._all_gather_flat_param); transformers/modeling_layers.py (GradientCheckpointingLayer "
-         "4.52-5.22 __call__, 5.23 forward)"),
+    Rule(
+        "F1",
+        "FSDP wrapping (FSDP1, FSDP2 fully_shard, accelerate's FSDP plugin) and FSDP's own"
+        " activation checkpointing are facts of the decision, decided again when FSDP wraps the"
+        " model or adds its checkpoint wrappers",
+        "torch/distributed/fsdp/_fully_shard/_fully_shard.py,"
+        " torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py",
+        documents=True,
+    ),
+    Rule(
+        "F2",
+        "FSDP + a checkpoint call that encloses FSDP's unshard (FSDP1: layers checkpointed by the"
+        " stack's loop, before GradientCheckpointingLayer; FSDP2: also GradientCheckpointingLayer's"
+        " __call__, transformers 4.52-5.22) -> non-reentrant recommended: reentrant recompute"
+        " all-gathers again in backward (FSDP1 each unit, FSDP2 its forward prefetch); an explicit"
+        " reentrant ask is kept and told the cost",
+        "transformers#30404, pytorch#105635; torch/distributed/fsdp/_flat_param.py"
+        " (FlatParamHandle._all_gather_flat_param); transformers/modeling_layers.py"
+        " (GradientCheckpointingLayer 4.52-5.22 __call__, 5.23 forward)",
+    ),
 )
 
-INFO = PluginInfo(name="fsdp", framework="torch", versions=">=2.6,<3", rules=RULES, proven="==2.13.*")
+INFO = PluginInfo(
+    name="fsdp", framework="torch", versions=">=2.6,<3", rules=RULES, proven="==2.13.*"
+)
 
 
 @hookimpl
@@ -59,28 +70,54 @@ def gcpatch_plugin_info() -> PluginInfo:
 @hookimpl
 def gcpatch_patch_points() -> list[PatchPoint]:
     return [
-        PatchPoint("torch.distributed.fsdp", "fully_shard", _fully_shard, copies=True,
-                   why="F1: FSDP2 wraps the model: decide again with the wrap as a fact"),
-        PatchPoint("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel.__init__",
-                   _fsdp1_init, why="F1: FSDP1 wraps the model: decide again with the wrap as a fact"),
-        PatchPoint("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "apply_activation_checkpointing",
-                   _apply_activation_checkpointing, copies=True,
-                   why="F1: FSDP's own activation checkpointing is a fact of the decision"),
+        PatchPoint(
+            "torch.distributed.fsdp",
+            "fully_shard",
+            _fully_shard,
+            copies=True,
+            why="F1: FSDP2 wraps the model: decide again with the wrap as a fact",
+        ),
+        PatchPoint(
+            "torch.distributed.fsdp.fully_sharded_data_parallel",
+            "FullyShardedDataParallel.__init__",
+            _fsdp1_init,
+            why="F1: FSDP1 wraps the model: decide again with the wrap as a fact",
+        ),
+        PatchPoint(
+            "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+            "apply_activation_checkpointing",
+            _apply_activation_checkpointing,
+            copies=True,
+            why="F1: FSDP's own activation checkpointing is a fact of the decision",
+        ),
     ]
 
 
-# What reentrant recompute outside the unit costs under each FSDP: in the record, told to a kept ask,
+# What reentrant recompute outside the unit costs under each FSDP: in the record, told to a kept
+# ask,
 # in the one-line log.
 _COSTS = {
-    "fsdp1": ("reentrant recompute makes FSDP1 all-gather every checkpointed unit's parameters a second time in "
-              "backward", "each FSDP1 unit is all-gathered twice in backward", "reentrant gathers FSDP1 units twice"),
-    "fsdp2": ("reentrant recompute runs FSDP2's forward prefetch again in backward (an extra all-gather per unit "
-              "where set_modules_to_forward_prefetch is set)", "with forward prefetch set, FSDP2 all-gathers again in backward",
-              "reentrant re-runs FSDP2 prefetch"),
+    "fsdp1": (
+        (
+            "reentrant recompute makes FSDP1 all-gather every checkpointed unit's parameters a"
+            " second time in backward"
+        ),
+        "each FSDP1 unit is all-gathered twice in backward",
+        "reentrant gathers FSDP1 units twice",
+    ),
+    "fsdp2": (
+        (
+            "reentrant recompute runs FSDP2's forward prefetch again in backward (an extra"
+            " all-gather per unit where set_modules_to_forward_prefetch is set)"
+        ),
+        "with forward prefetch set, FSDP2 all-gathers again in backward",
+        "reentrant re-runs FSDP2 prefetch",
+    ),
 }
 
 
-# The checkpoint sites whose reentrant recompute runs each FSDP's unshard again (facts.checkpoint_site).
+# The checkpoint sites whose reentrant recompute runs each FSDP's unshard again
+# (facts.checkpoint_site).
 _ENCLOSED = {"fsdp1": ("loop",), "fsdp2": ("loop", "layer_call")}
 
 
@@ -93,10 +130,18 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     if not enclosed:
         return []
     cost, kept, short = _COSTS[enclosed[0]]
-    return [Vote(USE_REENTRANT, False, RECOMMENDED, "F2",
-                 f"the checkpoint call encloses FSDP's unshard (checkpoint site: {facts.checkpoint_site}, "
-                 f"{facts.model_class}): {cost} (transformers#30404)",
-                 short=short, kept_cost=f"{kept}; use_reentrant=False avoids it (transformers#30404)")]
+    return [
+        Vote(
+            USE_REENTRANT,
+            False,
+            RECOMMENDED,
+            "F2",
+            "the checkpoint call encloses FSDP's unshard (checkpoint site:"
+            f" {facts.checkpoint_site}, {facts.model_class}): {cost} (transformers#30404)",
+            short=short,
+            kept_cost=f"{kept}; use_reentrant=False avoids it (transformers#30404)",
+        )
+    ]
 
 
 def _fully_shard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -11,6 +11,7 @@ This module lives outside the `gcpatch` package on purpose: pytest loads every p
 at start-up, and importing `gcpatch` switches it on. The fixture checks the set-up the test
 built; it does not switch gcpatch on (run the suite with GCPATCH=1 to test gcpatch's choices).
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,10 @@ def gcpatch_verify_check(
     problems = report.problems(min_saved=min_saved, full=True)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
-        raise AssertionError(f"gcpatch verify: checkpointing on {report.model} is not what it should be:\n{lines}\n"
-                             f"  measured: {report.line()}")
+        raise AssertionError(
+            f"gcpatch verify: checkpointing on {report.model} is not what it should be:\n{lines}\n"
+            f"  measured: {report.line()}"
+        )
     return report
 
 

@@ -7,6 +7,7 @@ the default arguments captured from it. Calls an enable-time decision covers sta
 others are decided by the rules below, from the call's own arguments, and the call's own evidence
 (CK1, CK5) outranks the enable-time decision where the two disagree.
 """
+
 from __future__ import annotations
 
 from gcpatch import checkpoint_call, reentrant_grads
@@ -26,43 +27,75 @@ from gcpatch.plugin import (
 )
 
 RULES = (
-    Rule("CK1", "a reentrant checkpoint call (asked, torch's default, or decided at enable time) with grad enabled, "
-         "no positional tensor input that requires grad, and trainable parameters or grad-requiring tensors reachable "
-         "inside (modules, bound methods, a partial's arguments and keywords, closures, default arguments; or none "
-         "knowable) -> non-reentrant: reentrant would give them no gradient. The call's own facts are evidence: they "
-         "outrank an enable-time decision that covers the call (CK4)",
-         "torch/utils/checkpoint.py (docs: 'At least one input and output must have requires_grad=True for the "
-         "reentrant variant'), transformers/modeling_layers.py (GradientCheckpointingLayer docstring: inputs that "
-         "require gradients must be passed positionally), transformers#21381"),
-    Rule("CK2", "a checkpoint call made while another checkpoint's function runs (FSDP's checkpoint_wrapper around "
-         "layers that checkpoint themselves) -> its function runs directly: the outer checkpoint already frees and "
-         "recomputes it, the inner one would recompute it a second time",
-         "torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py, transformers/modeling_layers.py"),
-    Rule("CK3", "context_fn (selective checkpointing) on a reentrant call -> non-reentrant, the only variant that "
-         "takes it; a context_fn call is never made reentrant", "torch/utils/checkpoint.py (checkpoint: 'Passing "
-         "`context_fn` or `debug` is only supported when use_reentrant=False')"),
-    Rule("CK4", "a call from a module whose checkpointing gcpatch decided at enable time stands on that decision "
-         "(R1-R6, P1, R3, R4, a user's ask, with their strength); only the call's own evidence (CK1, CK5) outranks "
-         "it, and the record and the line say which evidence overrode which rule", "gcpatch/checkpoint_call.py",
-         documents=True),
-    Rule("CK5", "a reentrant call whose positional input requires grad, but whose function also reaches a "
-         "grad-requiring tensor with a graph of its own by another way (a keyword, a closure, a default argument) -> "
-         "that tensor is passed to the checkpoint as a positional input where it is an argument of the partial "
-         "(reentrant kept, the user's choice), else non-reentrant: reentrant backward runs that tensor's graph inside "
-         "its own backward, which crashes ('Trying to backward through the graph a second time') when another "
-         "checkpoint or the rest of the model uses it too. A tensor without a graph (a leaf) is left as it is: "
-         "reentrant backward reaches it exactly (transformers' Mllama cross-attention states passed by keyword)",
-         "torch/utils/checkpoint.py (CheckpointFunction.backward: torch.autograd.backward(outputs, args)), "
-         "transformers/models/mllama/modeling_mllama.py (cross_attention_states=...)"),
-    Rule("CK6", "torch.autograd.grad or backward(inputs=...) through a graph that holds reentrant checkpoints "
-         "(torch refuses them there), asking for leaf tensors' gradients, no process group -> fix mode takes those "
-         "gradients by one ordinary backward into .grad and gives every other .grad back, which is what the call "
-         "returns under non-reentrant; known only when the gradients are taken. Elsewhere torch's error carries "
-         "the note naming use_reentrant=False", "torch/utils/checkpoint.py (CheckpointFunction.backward: "
-         "'torch.utils.checkpoint is incompatible with .grad()'), gcpatch/reentrant_grads.py", documents=True),
+    Rule(
+        "CK1",
+        "a reentrant checkpoint call (asked, torch's default, or decided at enable time) with grad"
+        " enabled, no positional tensor input that requires grad, and trainable parameters or"
+        " grad-requiring tensors reachable inside (modules, bound methods, a partial's arguments"
+        " and keywords, closures, default arguments; or none knowable) -> non-reentrant: reentrant"
+        " would give them no gradient. The call's own facts are evidence: they outrank an"
+        " enable-time decision that covers the call (CK4)",
+        "torch/utils/checkpoint.py (docs: 'At least one input and output must have"
+        " requires_grad=True for the reentrant variant'), transformers/modeling_layers.py"
+        " (GradientCheckpointingLayer docstring: inputs that require gradients must be passed"
+        " positionally), transformers#21381",
+    ),
+    Rule(
+        "CK2",
+        "a checkpoint call made while another checkpoint's function runs (FSDP's checkpoint_wrapper"
+        " around layers that checkpoint themselves) -> its function runs directly: the outer"
+        " checkpoint already frees and recomputes it, the inner one would recompute it a second"
+        " time",
+        "torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py,"
+        " transformers/modeling_layers.py",
+    ),
+    Rule(
+        "CK3",
+        "context_fn (selective checkpointing) on a reentrant call -> non-reentrant, the only"
+        " variant that takes it; a context_fn call is never made reentrant",
+        "torch/utils/checkpoint.py (checkpoint: 'Passing "
+        "`context_fn` or `debug` is only supported when use_reentrant=False')",
+    ),
+    Rule(
+        "CK4",
+        "a call from a module whose checkpointing gcpatch decided at enable time stands on that"
+        " decision (R1-R6, P1, R3, R4, a user's ask, with their strength); only the call's own"
+        " evidence (CK1, CK5) outranks it, and the record and the line say which evidence overrode"
+        " which rule",
+        "gcpatch/checkpoint_call.py",
+        documents=True,
+    ),
+    Rule(
+        "CK5",
+        "a reentrant call whose positional input requires grad, but whose function also reaches a"
+        " grad-requiring tensor with a graph of its own by another way (a keyword, a closure, a"
+        " default argument) -> that tensor is passed to the checkpoint as a positional input where"
+        " it is an argument of the partial (reentrant kept, the user's choice), else non-reentrant:"
+        " reentrant backward runs that tensor's graph inside its own backward, which crashes"
+        " ('Trying to backward through the graph a second time') when another checkpoint or the"
+        " rest of the model uses it too. A tensor without a graph (a leaf) is left as it is:"
+        " reentrant backward reaches it exactly (transformers' Mllama cross-attention states passed"
+        " by keyword)",
+        "torch/utils/checkpoint.py (CheckpointFunction.backward: torch.autograd.backward(outputs,"
+        " args)), transformers/models/mllama/modeling_mllama.py (cross_attention_states=...)",
+    ),
+    Rule(
+        "CK6",
+        "torch.autograd.grad or backward(inputs=...) through a graph that holds reentrant"
+        " checkpoints (torch refuses them there), asking for leaf tensors' gradients, no process"
+        " group -> fix mode takes those gradients by one ordinary backward into .grad and gives"
+        " every other .grad back, which is what the call returns under non-reentrant; known only"
+        " when the gradients are taken. Elsewhere torch's error carries the note naming"
+        " use_reentrant=False",
+        "torch/utils/checkpoint.py (CheckpointFunction.backward: "
+        "'torch.utils.checkpoint is incompatible with .grad()'), gcpatch/reentrant_grads.py",
+        documents=True,
+    ),
 )
 
-INFO = PluginInfo(name="torch", framework="torch", versions=">=2.0,<3", rules=RULES, proven="==2.13.*")
+INFO = PluginInfo(
+    name="torch", framework="torch", versions=">=2.0,<3", rules=RULES, proven="==2.13.*"
+)
 
 
 @hookimpl
@@ -72,40 +105,115 @@ def gcpatch_plugin_info() -> PluginInfo:
 
 @hookimpl
 def gcpatch_patch_points() -> list[PatchPoint]:
-    return [PatchPoint("torch.utils.checkpoint", "checkpoint", checkpoint_call.run, copies=True,
-                       guarded=True, why="CK1-CK5: the call every checkpointing path makes"),
-            PatchPoint("torch.autograd", "grad", reentrant_grads.grad, guarded=True,
-                       why="CK6: gradients asked for through reentrant checkpoints"),
-            PatchPoint("torch.autograd", "backward", reentrant_grads.backward, guarded=True,
-                       why="CK6: backward(inputs=...) through reentrant checkpoints")]
+    return [
+        PatchPoint(
+            "torch.utils.checkpoint",
+            "checkpoint",
+            checkpoint_call.run,
+            copies=True,
+            guarded=True,
+            why="CK1-CK5: the call every checkpointing path makes",
+        ),
+        PatchPoint(
+            "torch.autograd",
+            "grad",
+            reentrant_grads.grad,
+            guarded=True,
+            why="CK6: gradients asked for through reentrant checkpoints",
+        ),
+        PatchPoint(
+            "torch.autograd",
+            "backward",
+            reentrant_grads.backward,
+            guarded=True,
+            why="CK6: backward(inputs=...) through reentrant checkpoints",
+        ),
+    ]
 
 
 @hookimpl
 def gcpatch_call_vote(facts: CallFacts) -> list[Vote]:
     if facts.nested:
-        return [Vote(RUN_INLINE, True, REQUIRED, "CK2", "called inside another checkpoint, which already frees and "
-                     "recomputes it: checkpointing it again would run it a third time",
-                     short="already inside a checkpoint: one recompute, not two")]
+        return [
+            Vote(
+                RUN_INLINE,
+                True,
+                REQUIRED,
+                "CK2",
+                "called inside another checkpoint, which already frees and "
+                "recomputes it: checkpointing it again would run it a third time",
+                short="already inside a checkpoint: one recompute, not two",
+            )
+        ]
     votes: list[Vote] = []
     if facts.reentrant and facts.context_fn:
-        votes.append(Vote(USE_REENTRANT, False, REQUIRED, "CK3", "context_fn is taken by non-reentrant checkpointing "
-                          "only (reentrant raises ValueError)", avoids=CRASH,
-                          short="context_fn needs non-reentrant"))
-    if facts.reentrant and facts.grad_enabled and not facts.inputs_require_grad and facts.trainable_inside is not False:
-        inside = "trainable parameters or grad-requiring tensors inside" if facts.trainable_inside else \
-            "what it uses inside cannot be known"
-        votes.append(Vote(USE_REENTRANT, False, REQUIRED, "CK1", f"no positional tensor input requires grad and "
-                          f"{inside}: reentrant would give them no gradient", avoids=WRONG_GRADIENTS,
-                          short="no input requires grad: parameters inside would get none"))
-    if facts.reentrant and facts.grad_enabled and facts.inputs_require_grad and facts.bound_graph_tensors:
+        votes.append(
+            Vote(
+                USE_REENTRANT,
+                False,
+                REQUIRED,
+                "CK3",
+                "context_fn is taken by non-reentrant checkpointing "
+                "only (reentrant raises ValueError)",
+                avoids=CRASH,
+                short="context_fn needs non-reentrant",
+            )
+        )
+    if (
+        facts.reentrant
+        and facts.grad_enabled
+        and not facts.inputs_require_grad
+        and facts.trainable_inside is not False
+    ):
+        inside = (
+            "trainable parameters or grad-requiring tensors inside"
+            if facts.trainable_inside
+            else "what it uses inside cannot be known"
+        )
+        votes.append(
+            Vote(
+                USE_REENTRANT,
+                False,
+                REQUIRED,
+                "CK1",
+                "no positional tensor input requires grad and "
+                f"{inside}: reentrant would give them no gradient",
+                avoids=WRONG_GRADIENTS,
+                short="no input requires grad: parameters inside would get none",
+            )
+        )
+    if (
+        facts.reentrant
+        and facts.grad_enabled
+        and facts.inputs_require_grad
+        and facts.bound_graph_tensors
+    ):
         if facts.bound_graph_liftable:
-            votes.append(Vote(LIFT_BOUND_TENSORS, True, REQUIRED, "CK5", f"{facts.bound_graph_tensors} grad-requiring "
-                              "tensor(s) with a graph are bound into the function: passed as positional inputs, so "
-                              "reentrant backward returns their gradients instead of running their graph again",
-                              avoids=CRASH, short="bound graph tensors become inputs, reentrant kept"))
+            votes.append(
+                Vote(
+                    LIFT_BOUND_TENSORS,
+                    True,
+                    REQUIRED,
+                    "CK5",
+                    f"{facts.bound_graph_tensors} grad-requiring tensor(s) with a graph are bound"
+                    " into the function: passed as positional inputs, so reentrant backward"
+                    " returns their gradients instead of running their graph again",
+                    avoids=CRASH,
+                    short="bound graph tensors become inputs, reentrant kept",
+                )
+            )
         else:
-            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "CK5", f"{facts.bound_graph_tensors} grad-requiring "
-                              "tensor(s) with a graph reach the function through a closure or default argument: "
-                              "reentrant backward would run their graph inside its own, which crashes when anything "
-                              "else uses them", avoids=CRASH, short="a bound tensor's graph would be run twice"))
+            votes.append(
+                Vote(
+                    USE_REENTRANT,
+                    False,
+                    REQUIRED,
+                    "CK5",
+                    f"{facts.bound_graph_tensors} grad-requiring tensor(s) with a graph reach the"
+                    " function through a closure or default argument: reentrant backward would run"
+                    " their graph inside its own, which crashes when anything else uses them",
+                    avoids=CRASH,
+                    short="a bound tensor's graph would be run twice",
+                )
+            )
     return votes

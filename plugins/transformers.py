@@ -12,6 +12,7 @@ Patch points, proved per version by tests/test_patch_points.py:
 - `TrainingArguments.__post_init__`, to remember which checkpoint kwargs the user set, so a
   value a framework writes in later (TRL's T1/T2) is not taken for the user's ask.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,36 +47,73 @@ _V5_CHOKE = "_activation_checkpointing_enable"
 _USER_KWARGS = "_gcpatch_user_checkpoint_kwargs"
 
 RULES = (
-    Rule("X1", "5.x renamed the API to activation_checkpointing_enable (gradient_checkpointing_enable is a "
-         "deprecated alias); both reach _activation_checkpointing_enable, which gcpatch wraps",
-         "transformers/modeling_utils.py (5.23.0: activation_checkpointing_enable, _is_overridden)", ">=5.0", documents=True),
-    Rule("X2", "transformers installs its input-grads hook only for input_ids models or a loaded adapter; "
-         "inputs_embeds, vision and audio inputs are not covered; 5.23 adds one more hook at every "
-         "enable_input_require_grads call (its own enable, peft's, TRL's): gcpatch leaves one per embedding",
-         "transformers/modeling_utils.py (5.23.0: _activation_checkpointing_enable; 4.57.6: PEFT only)", documents=True),
-    Rule("X3", "the Trainer re-enables checkpointing from TrainingArguments and would overwrite a "
-         "model-level choice; gcpatch keeps the user's model-level ask unless TrainingArguments names one",
-         "transformers/trainer.py (4.57.6: _inner_training_loop; 5.23.0: train), transformers#26221", documents=True),
-    Rule("X4", "FSDP's own activation checkpointing together with the Trainer's is refused by the Trainer "
-         "itself; gcpatch leaves that error as it is",
-         "transformers/trainer.py (5.23.0: create_accelerator_and_postprocess)", documents=True),
-    Rule("R1", "partially frozen model + reentrant -> non-reentrant: reentrant blocks whose inputs need no "
-         "grad give their weights no gradients. Required where no input-grads hook can serve the stack (nothing "
-         "trainable upstream and the input embeddings do not feed it, or the encoder's output comes by keyword); "
-         "a recommendation where the input embeddings feed it, as R2's hook then makes reentrant exact and a "
-         "user's reentrant is kept. Under ZeRO-3 only where the deepspeed plugin publishes that non-reentrant "
-         "recompute of partitioned frozen parameters works (its R3 gate)",
-         "transformers#21381, Axolotl A1, DeepSpeed #8148"),
-    Rule("R2", "reentrant kept and a checkpointed layer trains -> input-grads hook on the embedding output "
-         "and on inputs_embeds", "torch.utils.checkpoint docs, X2, peft#137"),
-    Rule("R5", "checkpointing enabled but the first grad-enabled forward runs with the layers in eval mode -> "
-         "the layers checkpoint anyway, their forward still runs in the user's mode",
-         "transformers/modeling_layers.py (GradientCheckpointingLayer checks self.training), ColossalAI C1"),
+    Rule(
+        "X1",
+        "5.x renamed the API to activation_checkpointing_enable (gradient_checkpointing_enable is a"
+        " deprecated alias); both reach _activation_checkpointing_enable, which gcpatch wraps",
+        "transformers/modeling_utils.py (5.23.0: activation_checkpointing_enable, _is_overridden)",
+        ">=5.0",
+        documents=True,
+    ),
+    Rule(
+        "X2",
+        "transformers installs its input-grads hook only for input_ids models or a loaded adapter;"
+        " inputs_embeds, vision and audio inputs are not covered; 5.23 adds one more hook at every"
+        " enable_input_require_grads call (its own enable, peft's, TRL's): gcpatch leaves one per"
+        " embedding",
+        "transformers/modeling_utils.py (5.23.0: _activation_checkpointing_enable; 4.57.6: PEFT"
+        " only)",
+        documents=True,
+    ),
+    Rule(
+        "X3",
+        "the Trainer re-enables checkpointing from TrainingArguments and would overwrite a"
+        " model-level choice; gcpatch keeps the user's model-level ask unless TrainingArguments"
+        " names one",
+        "transformers/trainer.py (4.57.6: _inner_training_loop; 5.23.0: train), transformers#26221",
+        documents=True,
+    ),
+    Rule(
+        "X4",
+        "FSDP's own activation checkpointing together with the Trainer's is refused by the Trainer "
+        "itself; gcpatch leaves that error as it is",
+        "transformers/trainer.py (5.23.0: create_accelerator_and_postprocess)",
+        documents=True,
+    ),
+    Rule(
+        "R1",
+        "partially frozen model + reentrant -> non-reentrant: reentrant blocks whose inputs need no"
+        " grad give their weights no gradients. Required where no input-grads hook can serve the"
+        " stack (nothing trainable upstream and the input embeddings do not feed it, or the"
+        " encoder's output comes by keyword); a recommendation where the input embeddings feed it,"
+        " as R2's hook then makes reentrant exact and a user's reentrant is kept. Under ZeRO-3 only"
+        " where the deepspeed plugin publishes that non-reentrant recompute of partitioned frozen"
+        " parameters works (its R3 gate)",
+        "transformers#21381, Axolotl A1, DeepSpeed #8148",
+    ),
+    Rule(
+        "R2",
+        "reentrant kept and a checkpointed layer trains -> input-grads hook on the embedding output"
+        " and on inputs_embeds",
+        "torch.utils.checkpoint docs, X2, peft#137",
+    ),
+    Rule(
+        "R5",
+        "checkpointing enabled but the first grad-enabled forward runs with the layers in eval mode"
+        " -> the layers checkpoint anyway, their forward still runs in the user's mode",
+        "transformers/modeling_layers.py (GradientCheckpointingLayer checks self.training),"
+        " ColossalAI C1",
+    ),
     Rule("R6", "checkpointing enabled -> config.use_cache=False", "Axolotl A5"),
 )
 
-INFO = PluginInfo(name="transformers", framework="transformers", versions=">=4.35", rules=RULES,
-                  proven=">=4.35.2,<=5.24.0")
+INFO = PluginInfo(
+    name="transformers",
+    framework="transformers",
+    versions=">=4.35",
+    rules=RULES,
+    proven=">=4.35.2,<=5.24.0",
+)
 
 
 @hookimpl
@@ -88,26 +126,70 @@ def gcpatch_patch_points() -> list[PatchPoint]:
     v4 = lambda m: not hasattr(m.PreTrainedModel, _V5_CHOKE)  # noqa: E731
     v5 = lambda m: hasattr(m.PreTrainedModel, _V5_CHOKE)  # noqa: E731
     return [
-        PatchPoint("transformers.modeling_utils", "PreTrainedModel.gradient_checkpointing_enable",
-                   _enable_v4, applies=v4, why="X1: the 4.x entry point"),
-        PatchPoint("transformers.modeling_utils", "PreTrainedModel.gradient_checkpointing_disable",
-                   functools.partial(_disable, "gradient_checkpointing_disable"), applies=v4, why="undo gcpatch's hooks with the user's disable"),
-        PatchPoint("transformers.modeling_utils", f"PreTrainedModel.{_V5_CHOKE}",
-                   _enable_v5, applies=v5, why="X1: the 5.x choke point of both enable names"),
-        PatchPoint("transformers.modeling_utils", "PreTrainedModel._activation_checkpointing_disable",
-                   functools.partial(_disable, "activation_checkpointing_disable"), applies=v5, why="undo gcpatch's hooks with the user's disable"),
-        PatchPoint("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads",
-                   _enable_input_require_grads, why="X2: one input-grads hook per embedding however often it is called"),
-        PatchPoint("transformers.modeling_utils", "PreTrainedModel.disable_input_require_grads",
-                   _disable_input_require_grads, why="X2: gcpatch's own hook back where a decision still needs one"),
-        PatchPoint("transformers.trainer", "Trainer.train", _trainer_train,
-                   why="X3: the Trainer's re-enable goes through the same decision"),
-        PatchPoint("transformers.training_args", "TrainingArguments.__post_init__", _training_args_post_init,
-                   why="remember the user's own checkpoint kwargs before a trainer adds to them"),
-        PatchPoint("transformers.configuration_utils", "PretrainedConfig.to_dict", apply.config_as_the_user,
-                   why="R6: a serialised config carries the user's use_cache"),
-        PatchPoint("transformers.modeling_utils", "PreTrainedModel.save_pretrained", apply.saving_as_the_user,
-                   why="R6: what save_pretrained writes carries the user's use_cache"),
+        PatchPoint(
+            "transformers.modeling_utils",
+            "PreTrainedModel.gradient_checkpointing_enable",
+            _enable_v4,
+            applies=v4,
+            why="X1: the 4.x entry point",
+        ),
+        PatchPoint(
+            "transformers.modeling_utils",
+            "PreTrainedModel.gradient_checkpointing_disable",
+            functools.partial(_disable, "gradient_checkpointing_disable"),
+            applies=v4,
+            why="undo gcpatch's hooks with the user's disable",
+        ),
+        PatchPoint(
+            "transformers.modeling_utils",
+            f"PreTrainedModel.{_V5_CHOKE}",
+            _enable_v5,
+            applies=v5,
+            why="X1: the 5.x choke point of both enable names",
+        ),
+        PatchPoint(
+            "transformers.modeling_utils",
+            "PreTrainedModel._activation_checkpointing_disable",
+            functools.partial(_disable, "activation_checkpointing_disable"),
+            applies=v5,
+            why="undo gcpatch's hooks with the user's disable",
+        ),
+        PatchPoint(
+            "transformers.modeling_utils",
+            "PreTrainedModel.enable_input_require_grads",
+            _enable_input_require_grads,
+            why="X2: one input-grads hook per embedding however often it is called",
+        ),
+        PatchPoint(
+            "transformers.modeling_utils",
+            "PreTrainedModel.disable_input_require_grads",
+            _disable_input_require_grads,
+            why="X2: gcpatch's own hook back where a decision still needs one",
+        ),
+        PatchPoint(
+            "transformers.trainer",
+            "Trainer.train",
+            _trainer_train,
+            why="X3: the Trainer's re-enable goes through the same decision",
+        ),
+        PatchPoint(
+            "transformers.training_args",
+            "TrainingArguments.__post_init__",
+            _training_args_post_init,
+            why="remember the user's own checkpoint kwargs before a trainer adds to them",
+        ),
+        PatchPoint(
+            "transformers.configuration_utils",
+            "PretrainedConfig.to_dict",
+            apply.config_as_the_user,
+            why="R6: a serialised config carries the user's use_cache",
+        ),
+        PatchPoint(
+            "transformers.modeling_utils",
+            "PreTrainedModel.save_pretrained",
+            apply.saving_as_the_user,
+            why="R6: what save_pretrained writes carries the user's use_cache",
+        ),
     ]
 
 
@@ -115,42 +197,102 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 def gcpatch_vote(facts: Facts) -> list[Vote]:
     votes: list[Vote] = []
     if facts.stage == "config" and facts.partially_frozen and not _zero3_needs_reentrant(facts):
-        votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", "the config freezes part of the model: reentrant "
-                          "would drop the gradients of layers whose inputs need none", avoids=WRONG_GRADIENTS,
-                          short="partly frozen: layers would get no gradients"))
+        votes.append(
+            Vote(
+                USE_REENTRANT,
+                False,
+                REQUIRED,
+                "R1",
+                "the config freezes part of the model: reentrant "
+                "would drop the gradients of layers whose inputs need none",
+                avoids=WRONG_GRADIENTS,
+                short="partly frozen: layers would get no gradients",
+            )
+        )
     if facts.stage == "enable":
         starved = _stacks_without_input_grads(facts)
         hooked = _stacks_without_input_grads(facts, served_by_hook=True) if not starved else ""
-        custom = "" if not facts.checkpoint_function else (
-            f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may run reentrant whatever "
-            "it is asked (offloading checkpointers): gcpatch also puts the input-grads hook (R2) in place; without "
-            "it, those blocks' weights get no gradients (by hand: enable_input_require_grads)")
+        custom = (
+            ""
+            if not facts.checkpoint_function
+            else (
+                f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may"
+                " run reentrant whatever it is asked (offloading checkpointers): gcpatch also puts"
+                " the input-grads hook (R2) in place; without it, those blocks' weights get no"
+                " gradients (by hand: enable_input_require_grads)"
+            )
+        )
         if hooked and not _zero3_needs_reentrant(facts):
-            votes.append(Vote(USE_REENTRANT, False, RECOMMENDED, "R1", hooked + "; under reentrant the input-grads hook "
-                              "on the input embeddings' output (R2) gives them one, so an explicit reentrant is "
-                              "kept; non-reentrant needs no hook" + custom, short=_starved_short(facts, hooked=True)))
+            votes.append(
+                Vote(
+                    USE_REENTRANT,
+                    False,
+                    RECOMMENDED,
+                    "R1",
+                    hooked
+                    + "; under reentrant the input-grads hook on the input embeddings' output (R2)"
+                    " gives them one, so an explicit reentrant is kept; non-reentrant needs no"
+                    " hook" + custom,
+                    short=_starved_short(facts, hooked=True),
+                )
+            )
         if starved and not _zero3_needs_reentrant(facts):
             starved += custom
-            votes.append(Vote(USE_REENTRANT, False, REQUIRED, "R1", starved, avoids=WRONG_GRADIENTS,
-                              short=_starved_short(facts)))
+            votes.append(
+                Vote(
+                    USE_REENTRANT,
+                    False,
+                    REQUIRED,
+                    "R1",
+                    starved,
+                    avoids=WRONG_GRADIENTS,
+                    short=_starved_short(facts),
+                )
+            )
         if facts.trainable_in_checkpointed_layers:
-            votes.append(Vote(INPUT_GRADS_HOOK, True, REQUIRED, "R2",
-                              "checkpointed layers train: under reentrant their first input must require grad "
-                              "(frozen embeddings, inputs_embeds; X2)", avoids=WRONG_GRADIENTS,
-                              short="checkpointed layers train"))
+            votes.append(
+                Vote(
+                    INPUT_GRADS_HOOK,
+                    True,
+                    REQUIRED,
+                    "R2",
+                    "checkpointed layers train: under reentrant their first input must require grad"
+                    " (frozen embeddings, inputs_embeds; X2)",
+                    avoids=WRONG_GRADIENTS,
+                    short="checkpointed layers train",
+                )
+            )
         cached = [where for where, value in facts.use_cache_configs.items() if value is not None]
         if facts.use_cache is not None or cached:
-            votes.append(Vote(USE_CACHE_OFF, True, REQUIRED, "R6",
-                              "the KV cache is useless under checkpointing and warns every step"
-                              + (f" (configs: {', '.join(cached)})" if len(cached) > 1 else ""),
-                              short="no KV cache under checkpointing"))
+            votes.append(
+                Vote(
+                    USE_CACHE_OFF,
+                    True,
+                    REQUIRED,
+                    "R6",
+                    "the KV cache is useless under checkpointing and warns every step"
+                    + (f" (configs: {', '.join(cached)})" if len(cached) > 1 else ""),
+                    short="no KV cache under checkpointing",
+                )
+            )
     elif facts.stage == "first_forward" and facts.grad_enabled and facts.layers_in_eval_mode:
-        votes.append(Vote(EVAL_MODE_FIX, True, REQUIRED, "R5",
-                          f"{facts.layers_in_eval_mode} of {facts.checkpointed_layers} checkpointed layers are in "
-                          "eval mode at the first training forward: checkpointing would silently do nothing",
-                          avoids=NO_MEMORY_SAVED, short="else no memory saved",
-                          unmet="R5: checkpointing is off in eval mode and this model family's layers cannot be "
-                                "switched without changing their forward; call model.train() before training"))
+        votes.append(
+            Vote(
+                EVAL_MODE_FIX,
+                True,
+                REQUIRED,
+                "R5",
+                f"{facts.layers_in_eval_mode} of {facts.checkpointed_layers} checkpointed layers"
+                " are in eval mode at the first training forward: checkpointing would silently do"
+                " nothing",
+                avoids=NO_MEMORY_SAVED,
+                short="else no memory saved",
+                unmet=(
+                    "R5: checkpointing is off in eval mode and this model family's layers cannot be"
+                    " switched without changing their forward; call model.train() before training"
+                ),
+            )
+        )
     return votes
 
 
@@ -158,7 +300,11 @@ def _starved_short(facts: Facts, hooked: bool = False) -> str:
     """R1's reason in a few words, for the one-line log."""
     if any(s.get("encoder_states_by_keyword") for s in facts.stacks):
         return "decoder takes the encoder's output by keyword"
-    blocks = sum(s["blocks"] for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"])
+    blocks = sum(
+        s["blocks"]
+        for s in facts.stacks
+        if s["trainable_in_blocks"] and not s["inputs_can_require_grad"]
+    )
     if not blocks:
         return "partly frozen: layers would get no gradients"
     if hooked:
@@ -184,23 +330,34 @@ def _stacks_without_input_grads(facts: Facts, served_by_hook: bool = False) -> s
     if not facts.stacks:
         if served_by_hook or not facts.partially_frozen:
             return ""
-        return (f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters: "
-                "reentrant would drop the gradients of layers whose inputs need none")
+        return (
+            f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters: "
+            "reentrant would drop the gradients of layers whose inputs need none"
+        )
     keyword = [s for s in facts.stacks if s.get("encoder_states_by_keyword")]
     if keyword and facts.trainable_params:
         if served_by_hook:
             return ""
         names = ", ".join(s["stack"] for s in keyword)
-        return (f"{names} gets the encoder's output as a keyword argument, which a reentrant checkpoint does not "
-                "see: the encoder's gradients through it are lost or its graph is run twice")
-    starved = [s for s in facts.stacks if s["trainable_in_blocks"] and not s["inputs_can_require_grad"]
-               and bool(s.get("fed_by_input_embeddings")) is served_by_hook]
+        return (
+            f"{names} gets the encoder's output as a keyword argument, which a reentrant checkpoint"
+            " does not see: the encoder's gradients through it are lost or its graph is run twice"
+        )
+    starved = [
+        s
+        for s in facts.stacks
+        if s["trainable_in_blocks"]
+        and not s["inputs_can_require_grad"]
+        and bool(s.get("fed_by_input_embeddings")) is served_by_hook
+    ]
     if not starved:
         return ""
     names = ", ".join(f"{s['stack']} ({s['blocks']} blocks)" for s in starved)
-    return (f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters; the blocks of "
-            f"{names} train but nothing upstream of them does: reentrant would drop the gradients of layers "
-            "whose inputs need none")
+    return (
+        f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters; the"
+        f" blocks of {names} train but nothing upstream of them does: reentrant would drop the"
+        " gradients of layers whose inputs need none"
+    )
 
 
 def _enable_v4(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
@@ -214,12 +371,21 @@ def _enable_v4(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
     def replay(target: Any, chosen: Any) -> Any:
         return target.gradient_checkpointing_enable(chosen, *more, **rest)
 
-    return run_enable(_call(model, "gradient_checkpointing_enable", asked, "gradient_checkpointing_kwargs",
-                            lambda chosen: wrapped(chosen, *more, **rest), replay))
+    return run_enable(
+        _call(
+            model,
+            "gradient_checkpointing_enable",
+            asked,
+            "gradient_checkpointing_kwargs",
+            lambda chosen: wrapped(chosen, *more, **rest),
+            replay,
+        )
+    )
 
 
 def _enable_v5(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
-    # _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers=1, offload=False)
+    # _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers=1,
+    # offload=False)
     names = ("activation_checkpointing_kwargs", "every_n_layers", "offload")
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -229,9 +395,14 @@ def _enable_v5(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
         return target.activation_checkpointing_enable(chosen, **bound)
 
     api = _public_name_called()
-    kwarg = "gradient_checkpointing_kwargs" if api == "gradient_checkpointing_enable" else \
-        "activation_checkpointing_kwargs"
-    return run_enable(_call(model, api, asked, kwarg, lambda chosen: wrapped(chosen, **bound), replay))
+    kwarg = (
+        "gradient_checkpointing_kwargs"
+        if api == "gradient_checkpointing_enable"
+        else "activation_checkpointing_kwargs"
+    )
+    return run_enable(
+        _call(model, api, asked, kwarg, lambda chosen: wrapped(chosen, **bound), replay)
+    )
 
 
 def _public_name_called() -> str:
@@ -242,10 +413,13 @@ def _public_name_called() -> str:
         if frame is None:
             break
         name = frame.f_code.co_name
-        if name in ("gradient_checkpointing_enable", "activation_checkpointing_enable") and \
-                frame.f_code.co_filename.endswith("modeling_utils.py"):
+        if name in (
+            "gradient_checkpointing_enable",
+            "activation_checkpointing_enable",
+        ) and frame.f_code.co_filename.endswith("modeling_utils.py"):
             outer = frame.f_back
-            # the deprecated alias calls activation_checkpointing_enable: the outermost one is the user's
+            # the deprecated alias calls activation_checkpointing_enable: the outermost one is the
+            # user's
             if outer is not None and outer.f_code.co_name == "gradient_checkpointing_enable":
                 return "gradient_checkpointing_enable"
             return name
@@ -253,32 +427,55 @@ def _public_name_called() -> str:
     return "activation_checkpointing_enable"
 
 
-def _call(model: Any, api: str, asked: Any, kwarg_name: str, invoke: Any, replay: Any) -> EnableCall:
+def _call(
+    model: Any, api: str, asked: Any, kwarg_name: str, invoke: Any, replay: Any
+) -> EnableCall:
     trainer = context.asker().trainer
-    trainer_name = f"{type(trainer).__module__}.{type(trainer).__name__}" if trainer is not None else ""
+    trainer_name = (
+        f"{type(trainer).__module__}.{type(trainer).__name__}" if trainer is not None else ""
+    )
     if trainer is not None:
         source = Source.TRAINER
-        asked, asked_from = _attributed(asked, getattr(trainer, "args", None), type(trainer).__name__)
+        asked, asked_from = _attributed(
+            asked, getattr(trainer, "args", None), type(trainer).__name__
+        )
     else:
         source = Source.CALL
         asked_from = f"{type(model).__name__}.{api}({kwarg_name}=...)" if asked else "nothing"
-    return EnableCall(model=model, api=api, source=source, asked_kwargs=asked, asked_from=asked_from,
-                      invoke=invoke, replay=replay, trainer=trainer_name, keeps_ask="X3")
+    return EnableCall(
+        model=model,
+        api=api,
+        source=source,
+        asked_kwargs=asked,
+        asked_from=asked_from,
+        invoke=invoke,
+        replay=replay,
+        trainer=trainer_name,
+        keeps_ask="X3",
+    )
 
 
 def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:
     """Only the user's own use_reentrant is an ask: one a trainer wrote into TrainingArguments
     after the user built them (TRL's T1 default, its T2 override) is that framework's vote."""
-    field = "activation_checkpointing_kwargs" if hasattr(args, "activation_checkpointing_kwargs") else \
-        "gradient_checkpointing_kwargs"
+    field = (
+        "activation_checkpointing_kwargs"
+        if hasattr(args, "activation_checkpointing_kwargs")
+        else "gradient_checkpointing_kwargs"
+    )
     if not asked:
         named = "names no use_reentrant" if getattr(args, field, None) else "unset"
         return asked, f"nothing (TrainingArguments.{field} {named})"
     user = getattr(args, _USER_KWARGS, None)
     if user is not None and "use_reentrant" in asked and "use_reentrant" not in user:
         rest = {k: v for k, v in asked.items() if k != "use_reentrant"}
-        return rest or None, (f"nothing (use_reentrant={asked['use_reentrant']} in TrainingArguments.{field} "
-                              f"was set by {trainer}, not by the user)")
+        return (
+            rest or None,
+            (
+                f"nothing (use_reentrant={asked['use_reentrant']} in TrainingArguments.{field} "
+                f"was set by {trainer}, not by the user)"
+            ),
+        )
     return asked, f"TrainingArguments.{field}"
 
 
@@ -310,7 +507,12 @@ def _trainer_train(wrapped: Any, trainer: Any, args: tuple, kwargs: dict) -> Any
 
 def _training_args_post_init(wrapped: Any, training_args: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
-    user = (getattr(training_args, "activation_checkpointing_kwargs", None)
-            or getattr(training_args, "gradient_checkpointing_kwargs", None) or {})
-    object.__setattr__(training_args, _USER_KWARGS, copy.deepcopy(dict(user)) if isinstance(user, dict) else {})
+    user = (
+        getattr(training_args, "activation_checkpointing_kwargs", None)
+        or getattr(training_args, "gradient_checkpointing_kwargs", None)
+        or {}
+    )
+    object.__setattr__(
+        training_args, _USER_KWARGS, copy.deepcopy(dict(user)) if isinstance(user, dict) else {}
+    )
     return result

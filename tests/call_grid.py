@@ -9,6 +9,7 @@ tests/test_call_grid.py checks the properties on cells hypothesis draws from thi
 never worse than the blunt patch; it never changes a call whose gradients are already exact for
 gradients' sake) and that the committed table is this grid's.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,7 +17,7 @@ import inspect
 import itertools
 import logging
 import sys
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,8 +26,15 @@ from torch import nn
 INPUT_VIA = ("positional", "keyword", "partial_arg", "closure", "default_arg")
 # A second tensor the layer uses: a trainable leaf, or a tensor with a graph used by one checkpoint,
 # shared by both checkpoints, or used inside a checkpoint and outside it; by keyword or closure.
-EXTRA = ("none", "leaf_keyword", "graph_keyword", "shared_keyword", "outside_keyword", "graph_closure",
-         "shared_closure")
+EXTRA = (
+    "none",
+    "leaf_keyword",
+    "graph_keyword",
+    "shared_keyword",
+    "outside_keyword",
+    "graph_closure",
+    "shared_closure",
+)
 ASKED = (True, None, False)
 GRADS = ("backward", "autograd.grad", "backward(inputs=)")
 # Cells whose outcome can be known only at backward time: how the gradients are taken (CK6).
@@ -48,8 +56,17 @@ class Cell:
 
 def cells() -> list[Cell]:
     out = []
-    for values in itertools.product(INPUT_VIA, EXTRA, (True, False), (True, False), ASKED, (False, True),
-                                    (False, True), GRADS, (False, True)):
+    for values in itertools.product(
+        INPUT_VIA,
+        EXTRA,
+        (True, False),
+        (True, False),
+        ASKED,
+        (False, True),
+        (False, True),
+        GRADS,
+        (False, True),
+    ):
         cell = Cell(*values)
         if cell.covered and cell.asked is not True:
             continue  # an enable-time decision that covers a call hands it its own use_reentrant
@@ -66,7 +83,11 @@ class Layer(nn.Module):
         self.nested, self.ckpt, self.kw = nested, ckpt, kw
 
     def forward(self, h, extra=None):
-        inner = self.ckpt(self.inner, h, **self.kw) if self.nested and self.ckpt is not None else self.inner(h)
+        inner = (
+            self.ckpt(self.inner, h, **self.kw)
+            if self.nested and self.ckpt is not None
+            else self.inner(h)
+        )
         out = torch.tanh(self.lin(h) + inner)
         return out if extra is None else out * extra
 
@@ -148,8 +169,11 @@ def outcome(cell: Cell, ckpt, kw: dict, gcpatch: bool = False) -> tuple[str, dic
 def exact(got: dict | None, ref: dict) -> bool:
     if got is None:
         return False
-    return all((got[n] is None) == (ref[n] is None) and (ref[n] is None or torch.allclose(got[n], ref[n], atol=1e-6))
-               for n in ref)
+    return all(
+        (got[n] is None) == (ref[n] is None)
+        and (ref[n] is None or torch.allclose(got[n], ref[n], atol=1e-6))
+        for n in ref
+    )
 
 
 class Spy:
@@ -167,8 +191,9 @@ def run(cell: Cell, original, gcpatch_call) -> dict:
     """The four ways of one cell, and what gcpatch did to its calls."""
     kw = {} if cell.asked is None else {"use_reentrant": cell.asked}
     if cell.context_fn:
-        kw["context_fn"] = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
-                                             [torch.ops.aten.mm.default])
+        kw["context_fn"] = functools.partial(
+            torch.utils.checkpoint.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default]
+        )
     ref_state, ref = outcome(cell, None, {})
     assert ref_state == "ran", (cell, ref_state)
     as_called = outcome(cell, original, kw)
@@ -177,8 +202,12 @@ def run(cell: Cell, original, gcpatch_call) -> dict:
     gcpatch = outcome(cell, gcpatch_call(spy, cell), kw, gcpatch=True)
     reentrant = kw.get("use_reentrant", True)
     changed = any(ur is not None and ur != reentrant for ur in spy.calls)
-    return {"as_called": _verdict(as_called, ref), "forced": _verdict(forced, ref),
-            "gcpatch": _verdict(gcpatch, ref), "changed": changed}
+    return {
+        "as_called": _verdict(as_called, ref),
+        "forced": _verdict(forced, ref),
+        "gcpatch": _verdict(gcpatch, ref),
+        "changed": changed,
+    }
 
 
 def _verdict(result: tuple[str, dict | None], ref: dict) -> str:
@@ -200,8 +229,12 @@ def gcpatch_caller():
         def ckpt(function, *args, **kwargs):
             return checkpoint_call.run(spy, None, (function, *args), kwargs)
 
-        if cell.covered:  # the user asked reentrant at the enable call, and that decision covers the layers
-            decision = resolve.resolve([Vote(USE_REENTRANT, True, USER, "USER", "asked", plugin="core")], "fix")
+        if (
+            cell.covered
+        ):  # the user asked reentrant at the enable call, and that decision covers the layers
+            decision = resolve.resolve(
+                [Vote(USE_REENTRANT, True, USER, "USER", "asked", plugin="core")], "fix"
+            )
             ckpt = _Covering(ckpt, decision, checkpoint_call)
         return ckpt
 
@@ -212,7 +245,12 @@ class _Covering:
     """Covers each Net built with this checkpoint function by an enable-time decision (CK4)."""
 
     def __init__(self, ckpt, decision, checkpoint_call) -> None:
-        self.ckpt, self.decision, self.checkpoint_call, self.seen = ckpt, decision, checkpoint_call, set()
+        self.ckpt, self.decision, self.checkpoint_call, self.seen = (
+            ckpt,
+            decision,
+            checkpoint_call,
+            set(),
+        )
 
     def __call__(self, function, *args, **kwargs):
         for module in _modules(function):
@@ -252,32 +290,50 @@ def classify(result: dict) -> str:
 def table(results: list[tuple[Cell, dict]]) -> str:
     """The committed summary: counts per outcome, and every cell that is not ok, with why."""
     total = len(results)
-    counts = {k: sum(1 for _, r in results if classify(r) == k) for k in ("worse", "overrode", "ok")}
-    exact_ways = {w: sum(1 for _, r in results if r[w] == "exact") for w in ("as_called", "forced", "gcpatch")}
-    lines = ["# Checkpoint call grid: gcpatch against the blunt patch", "",
-             "Generated by `python tests/call_grid.py > tests/CALL_GRID.md`; `tests/test_call_grid.py` checks it and "
-             "the properties. Each cell is a checkpoint call shape on a tiny two-layer module, run four ways: no "
-             "checkpointing (the reference), as called, forced non-reentrant (the blunt patch), and under gcpatch "
-             "(fix mode). *worse*: forced non-reentrant gets the reference's gradients and gcpatch does not. "
-             "*overrode*: gcpatch changed use_reentrant on a call whose gradients were already exact as called.", "",
-             f"Dimensions: hidden state {', '.join(INPUT_VIA)}; second tensor {', '.join(EXTRA)}; upstream trains "
-             "or not; layer trains or not; use_reentrant True / unset / False; context_fn or not; nested "
-             f"checkpoint or not; gradients by {', '.join(GRADS)}; covered by an enable-time reentrant ask or not.",
-             "", "| cells | exact as called | exact forced non-reentrant | exact under gcpatch | gcpatch worse than "
-             "the blunt patch | gcpatch overrode an exact call |", "| --- | --- | --- | --- | --- | --- |",
-             f"| {total} | {exact_ways['as_called']} | {exact_ways['forced']} | {exact_ways['gcpatch']} | "
-             f"{counts['worse']} | {counts['overrode']} |", ""]
+    counts = {
+        k: sum(1 for _, r in results if classify(r) == k) for k in ("worse", "overrode", "ok")
+    }
+    exact_ways = {
+        w: sum(1 for _, r in results if r[w] == "exact") for w in ("as_called", "forced", "gcpatch")
+    }
+    lines = [
+        "# Checkpoint call grid: gcpatch against the blunt patch",
+        "",
+        "Generated by `python tests/call_grid.py > tests/CALL_GRID.md`; `tests/test_call_grid.py` checks it and "
+        "the properties. Each cell is a checkpoint call shape on a tiny two-layer module, run four ways: no "
+        "checkpointing (the reference), as called, forced non-reentrant (the blunt patch), and under gcpatch "
+        "(fix mode). *worse*: forced non-reentrant gets the reference's gradients and gcpatch does not. "
+        "*overrode*: gcpatch changed use_reentrant on a call whose gradients were already exact as called.",
+        "",
+        f"Dimensions: hidden state {', '.join(INPUT_VIA)}; second tensor {', '.join(EXTRA)}; upstream trains "
+        "or not; layer trains or not; use_reentrant True / unset / False; context_fn or not; nested "
+        f"checkpoint or not; gradients by {', '.join(GRADS)}; covered by an enable-time reentrant ask or not.",
+        "",
+        "| cells | exact as called | exact forced non-reentrant | exact under gcpatch | gcpatch worse than "
+        "the blunt patch | gcpatch overrode an exact call |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| {total} | {exact_ways['as_called']} | {exact_ways['forced']} | {exact_ways['gcpatch']} | "
+        f"{counts['worse']} | {counts['overrode']} |",
+        "",
+    ]
     groups: dict[tuple, list[Cell]] = {}
     for cell, result in results:
         kind = classify(result)
         if kind == "ok":
             continue
-        groups.setdefault((kind, _why(cell, result), result["as_called"], result["forced"], result["gcpatch"]),
-                          []).append(cell)
+        groups.setdefault(
+            (kind, _why(cell, result), result["as_called"], result["forced"], result["gcpatch"]), []
+        ).append(cell)
     if groups:
-        lines += ["## Cells that are not ok, grouped by why", "",
-                  "| kind | cells | as called | forced | gcpatch | why |", "| --- | --- | --- | --- | --- | --- |"]
-        for (kind, why, a, f, g), members in sorted(groups.items(), key=lambda item: (item[0][0], -len(item[1]))):
+        lines += [
+            "## Cells that are not ok, grouped by why",
+            "",
+            "| kind | cells | as called | forced | gcpatch | why |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for (kind, why, a, f, g), members in sorted(
+            groups.items(), key=lambda item: (item[0][0], -len(item[1]))
+        ):
             lines.append(f"| {kind} | {len(members)} | {a} | {f} | {g} | {why} |")
         lines.append("")
     return "\n".join(lines)
@@ -285,9 +341,11 @@ def table(results: list[tuple[Cell, dict]]) -> str:
 
 def _why(cell: Cell, result: dict) -> str:
     if classify(result) == "overrode" and "closure" in cell.extra:
-        return ("CK5: a tensor with a graph reaches the function through a closure, which gcpatch cannot pass "
-                "positionally; reentrant is exact only while nothing else uses that tensor, which the call cannot "
-                "know, so it runs non-reentrant (a crash avoided, not gradients)")
+        return (
+            "CK5: a tensor with a graph reaches the function through a closure, which gcpatch cannot pass "
+            "positionally; reentrant is exact only while nothing else uses that tensor, which the call cannot "
+            "know, so it runs non-reentrant (a crash avoided, not gradients)"
+        )
     return f"unexplained: {cell}"
 
 

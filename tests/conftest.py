@@ -2,4 +2,6 @@
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "distributed: runs several processes with torch.distributed.run (gloo)")
+    config.addinivalue_line(
+        "markers", "distributed: runs several processes with torch.distributed.run (gloo)"
+    )

@@ -1,6 +1,7 @@
 """The reliability suite's tools: install the misbehaving plugin (tests/faults/plugin.py) as a
 real distribution, run user code in a fresh interpreter or under torchrun, and tally what the
 suite tried (`tests/reliability_table.py` turns the tally into docs/RELIABILITY.md)."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,14 @@ from harness import child_env, parse_results, run_python, torchrun_argv
 FAULTS = Path(__file__).resolve().parent / "faults"
 TALLY_ENV = "GCPATCH_RELIABILITY_TALLY"  # a JSONL file; unset: nothing is tallied
 
-TARGET = '''
+TARGET = """
 CALLS = []
 
 
 def work(x):
     CALLS.append(x)
     return x + 1
-'''
+"""
 
 
 def install_fault_plugin(site: Path) -> str:
@@ -42,7 +43,9 @@ def run(code: str, cwd: Path, args: list[str] | None = None, timeout: float = 24
 
 def torchrun(script: Path, nproc: int, cwd: Path, timeout: float = 240, **env: str):
     """`script` under torch.distributed.run, gloo on CPU; a hang shows as returncode None."""
-    return harness.run(torchrun_argv(nproc, str(script)), cwd, child_env(quiet=True, **env), timeout)
+    return harness.run(
+        torchrun_argv(nproc, str(script)), cwd, child_env(quiet=True, **env), timeout
+    )
 
 
 def results(proc) -> list[dict]:
@@ -61,5 +64,9 @@ def tally(area: str, case: str, survived: bool, clear: bool, lost: bool) -> None
     path = os.environ.get(TALLY_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"area": area, "case": case, "survived": survived, "clear": clear,
-                                     "lost": lost}) + "\n")
+            handle.write(
+                json.dumps(
+                    {"area": area, "case": case, "survived": survived, "clear": clear, "lost": lost}
+                )
+                + "\n"
+            )

@@ -3,6 +3,7 @@ fresh or, where the caller allows it, warm (tests/warm_starts.py) (so the INSTAL
 as a user meets it), an environment that carries none
 of the caller's GCPATCH* variables and never reaches a hub, and one result protocol: the child
 prints `RESULT {json}`, one per process."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,14 @@ def child_env(quiet: bool = False, **extra: str) -> dict[str, str]:
     one OpenMP thread per process (runs share the cores); `quiet` also mutes Python's and
     transformers' warnings for tests that do not look at them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH") and k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     if quiet:
         env.update(TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     env.update(extra)
@@ -44,8 +51,15 @@ def free_port() -> int:
 def torchrun_argv(nproc: int, *script: str) -> list[str]:
     """`python -m torch.distributed.run` (not bin/torchrun: copied venvs keep the old shebang),
     gloo ranks on the local host."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", *script]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *script,
+    ]
 
 
 def parse_results(stdout: str) -> list[Any]:
@@ -105,8 +119,9 @@ def _kill_run(pid: int, token: str) -> None:
                 pass
 
 
-def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 300,
-        warm: bool = False) -> subprocess.CompletedProcess:
+def run(
+    argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 300, warm: bool = False
+) -> subprocess.CompletedProcess:
     """Run a child; a hang shows as returncode None with what it printed before, instead of
     blocking the suite. The child leads its own process group and every process it starts
     inherits a token in its environment, so a hang's descendants (the ranks under torchrun, even
@@ -119,32 +134,54 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float = 
         if warm_starts.under_torchrun(argv):
             with warm_starts.torchrun_launch(argv, env) as launch:
                 return _run_fresh(launch, cwd, env, timeout, token)
-        done = warm_starts.run(argv, cwd, env, timeout, lambda pid: _kill_run(pid, token), {RUN_MARK: token})
+        done = warm_starts.run(
+            argv, cwd, env, timeout, lambda pid: _kill_run(pid, token), {RUN_MARK: token}
+        )
         if done is not None:
             return done
     return _run_fresh(argv, cwd, env, timeout, token)
 
 
-def _run_fresh(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
-               token: str) -> subprocess.CompletedProcess:
-    with subprocess.Popen(argv, cwd=cwd, env={**env, RUN_MARK: token}, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+def _run_fresh(
+    argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float, token: str
+) -> subprocess.CompletedProcess:
+    with subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env={**env, RUN_MARK: token},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_run(proc.pid, token)
             try:
                 out, err = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:  # a writer out of reach (no /proc): give up on its output
-                out, err = "", "[output lost: a process of the run kept the pipes open after the kill]"
+            except (
+                subprocess.TimeoutExpired
+            ):  # a writer out of reach (no /proc): give up on its output
+                out, err = (
+                    "",
+                    "[output lost: a process of the run kept the pipes open after the kill]",
+                )
                 for pipe in (proc.stdout, proc.stderr):
                     pipe.close()
-            return subprocess.CompletedProcess(argv, None, out or "", (err or "") + f"\n[timed out after {timeout}s]")  # type: ignore[arg-type]
+            return subprocess.CompletedProcess(
+                argv, None, out or "", (err or "") + f"\n[timed out after {timeout}s]"
+            )  # type: ignore[arg-type]
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-def run_python(code: str, cwd: Path | str, args: list[str] | None = None, timeout: float = 300,
-               **env: str) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, cwd: Path | str, args: list[str] | None = None, timeout: float = 300, **env: str
+) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter of this venv, cwd `cwd` (never the checkout)."""
-    return run([sys.executable, *(args or []), "-c", textwrap.dedent(code)], cwd, child_env(quiet=True, **env),
-               timeout)
+    return run(
+        [sys.executable, *(args or []), "-c", textwrap.dedent(code)],
+        cwd,
+        child_env(quiet=True, **env),
+        timeout,
+    )

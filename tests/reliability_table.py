@@ -5,6 +5,7 @@ how many lost data (wrong or missing gradients, lost records, a foreign file wri
 usage: python tests/reliability_table.py [--out FILE] [pytest args, e.g. -m "not distributed"]
 (against the INSTALLED gcpatch, like the rest of the suite)
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,14 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ["tests/test_reliability_plugins.py", "tests/test_reliability_record.py", "tests/test_reliability_env.py",
-         "tests/test_reliability_resolve.py",
-         "tests/test_reliability_ordering.py", "tests/test_reliability_ranks.py"]
+FILES = [
+    "tests/test_reliability_plugins.py",
+    "tests/test_reliability_record.py",
+    "tests/test_reliability_env.py",
+    "tests/test_reliability_resolve.py",
+    "tests/test_reliability_ordering.py",
+    "tests/test_reliability_ranks.py",
+]
 OUT = ROOT / "docs" / "RELIABILITY.md"
 
 
@@ -30,9 +36,16 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tally = Path(tmp) / "tally.jsonl"
         env = {**os.environ, "GCPATCH_RELIABILITY_TALLY": str(tally)}
-        proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *FILES, *argv],
-                              cwd=ROOT, env=env, capture_output=True, text=True)
-        rows = [json.loads(line) for line in tally.read_text().splitlines()] if tally.exists() else []
+        proc = subprocess.run(
+            [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *FILES, *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        rows = (
+            [json.loads(line) for line in tally.read_text().splitlines()] if tally.exists() else []
+        )
     summary = (proc.stdout.strip().splitlines() or ["(no pytest output)"])[-1]
     areas: OrderedDict[str, list[int]] = OrderedDict()
     for row in rows:
@@ -63,8 +76,11 @@ def main(argv: list[str]) -> int:
         "",
         "| case | no hang, every rank finished | one consistent outcome, clearly said | data lost |",
         "|---|---|---|---|",
-        *(f"| {r['case']} | {_yes(r['survived'])} | {_yes(r['clear'])} | {_yes(r['lost'])} |"
-          for r in rows if r["area"] == "ranks"),
+        *(
+            f"| {r['case']} | {_yes(r['survived'])} | {_yes(r['clear'])} | {_yes(r['lost'])} |"
+            for r in rows
+            if r["area"] == "ranks"
+        ),
         "",
         "Where: `tests/test_reliability_*.py`; the misbehaving plugin is `tests/faults/plugin.py`.",
         "",

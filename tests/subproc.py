@@ -1,8 +1,8 @@
 """What the installed frameworks are, for the fast suite's skips; running a fresh interpreter
 is tests/harness.py's job (every behaviour that depends on start-up or import order is proved
 there, as a user would meet it)."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 
@@ -28,4 +28,6 @@ def transformers_version():
         return None
 
 
-requires_transformers = pytest.mark.skipif(transformers_major() is None, reason="transformers not installed")
+requires_transformers = pytest.mark.skipif(
+    transformers_major() is None, reason="transformers not installed"
+)

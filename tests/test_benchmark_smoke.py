@@ -1,5 +1,6 @@
 """The benchmark (benchmarks/run.py) runs end to end on its smallest setting, so that
 it cannot rot. It writes into a temporary directory: the committed results are left alone."""
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,9 @@ def _installed(name: str) -> bool:
 pytestmark = [
     pytest.mark.skipif(not _installed("transformers"), reason="transformers not installed"),
     pytest.mark.skipif(not _installed("torch"), reason="torch not installed"),
-    pytest.mark.skipif(not _installed("gcpatch"), reason="gcpatch is not installed in this environment"),
+    pytest.mark.skipif(
+        not _installed("gcpatch"), reason="gcpatch is not installed in this environment"
+    ),
 ]
 
 
@@ -35,16 +38,26 @@ def test_benchmark_smoke(tmp_path):
     before = committed.read_bytes() if committed.exists() else None
     env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH")}
     env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
 
     results = (tmp_path / "RESULTS.md").read_text()
     assert "Smoke run" in results
     targets = results.split("## Targets")[1].split("###")[0]
-    rows = [line for line in targets.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    rows = [line for line in targets.splitlines() if line.startswith("| ") and "---" not in line][
+        1:
+    ]
     assert len(rows) >= 8, targets
-    assert all(" met " in row or "**missed**" in row or "(no target)" in row for row in rows), targets
+    assert all(" met " in row or "**missed**" in row or "(no target)" in row for row in rows), (
+        targets
+    )
     assert "nan" not in targets.lower()
 
     data = json.loads((tmp_path / "results.json").read_text())

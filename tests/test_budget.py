@@ -1,5 +1,6 @@
 """GCPATCH_MEMORY_BUDGET's arithmetic (gcpatch/budget.py): what a budget value means, and that the
 plan is the cheapest one meeting it, proved against exhaustive search on small cases."""
+
 from __future__ import annotations
 
 import itertools
@@ -13,21 +14,36 @@ from gcpatch import budget
 from gcpatch.budget import LayerCost, parse, solve
 
 
-@pytest.mark.parametrize("raw, fraction, nbytes", [
-    ("0.5", 0.5, None), (" 1 ", 1.0, None), (".25", 0.25, None), ("6GiB", None, 6 * 2**30),
-    ("800MB", None, 800 * 10**6), ("1.5 gib", None, int(1.5 * 2**30)), ("512KiB", None, 512 * 1024),
-    ("2e3B", None, 2000),
-])
+@pytest.mark.parametrize(
+    "raw, fraction, nbytes",
+    [
+        ("0.5", 0.5, None),
+        (" 1 ", 1.0, None),
+        (".25", 0.25, None),
+        ("6GiB", None, 6 * 2**30),
+        ("800MB", None, 800 * 10**6),
+        ("1.5 gib", None, int(1.5 * 2**30)),
+        ("512KiB", None, 512 * 1024),
+        ("2e3B", None, 2000),
+    ],
+)
 def test_budget_values_parse_as_a_fraction_or_a_size(raw, fraction, nbytes):
     parsed = parse(raw)
     assert parsed.fraction == fraction and parsed.nbytes == nbytes
     assert parsed.limit(1000.0) == (fraction * 1000.0 if fraction is not None else nbytes)
 
 
-@pytest.mark.parametrize("raw, reason", [
-    ("abc", "neither a fraction"), ("1.5", "fraction in (0, 1]"), ("0", "fraction in (0, 1]"),
-    ("6 parsecs", "the unit 'parsecs'"), ("0GB", "positive"), ("-1", "neither a fraction"),
-])
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        ("abc", "neither a fraction"),
+        ("1.5", "fraction in (0, 1]"),
+        ("0", "fraction in (0, 1]"),
+        ("6 parsecs", "the unit 'parsecs'"),
+        ("0GB", "positive"),
+        ("-1", "neither a fraction"),
+    ],
+)
 def test_bad_budget_values_give_the_reason(raw, reason):
     parsed = parse(raw)
     assert isinstance(parsed, str) and reason in parsed, parsed
@@ -41,9 +57,11 @@ def test_a_bad_budget_is_reported_in_one_line_and_not_applied(monkeypatch, capsy
     assert settings_mod.read().memory_budget is None
     assert settings_mod.read().memory_budget is None
     err = capsys.readouterr().err.splitlines()
-    assert err == ["gcpatch: GCPATCH_MEMORY_BUDGET='lots' is neither a fraction like 0.5 nor a size like 6GiB or "
-                   "800MB; no budget is applied, every layer whose checkpointing is on recomputes as without the "
-                   "variable"]
+    assert err == [
+        "gcpatch: GCPATCH_MEMORY_BUDGET='lots' is neither a fraction like 0.5 nor a size like 6GiB or "
+        "800MB; no budget is applied, every layer whose checkpointing is on recomputes as without the "
+        "variable"
+    ]
     monkeypatch.setenv("GCPATCH_MEMORY_BUDGET", "0.4")
     assert settings_mod.read().memory_budget.fraction == 0.4
     monkeypatch.delenv("GCPATCH_MEMORY_BUDGET")
@@ -64,8 +82,13 @@ def _exhaustive(layers, outside, limit):
 
 
 layer_st = st.builds(
-    lambda plain, kept, seconds: LayerCost("l", float(plain), float(min(kept, plain)), seconds / 10),
-    st.integers(1, 60), st.integers(0, 20), st.integers(0, 30))
+    lambda plain, kept, seconds: LayerCost(
+        "l", float(plain), float(min(kept, plain)), seconds / 10
+    ),
+    st.integers(1, 60),
+    st.integers(0, 20),
+    st.integers(0, 30),
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -94,7 +117,10 @@ def test_identical_layers_checkpoint_evenly_as_every_n_layers_would():
     assert plan.count == 4 and plan.every_n_layers() == 2
     assert plan.recompute_s == 4.0 and plan.full_recompute_s == 8.0
     assert solve(layers, 0.0, 800).count == 0  # the whole budget: nothing recomputed
-    assert solve(layers, 0.0, 80).checkpoint == [True] * 8 and solve(layers, 0.0, 80).every_n_layers() == 1
+    assert (
+        solve(layers, 0.0, 80).checkpoint == [True] * 8
+        and solve(layers, 0.0, 80).every_n_layers() == 1
+    )
 
 
 def test_a_budget_below_the_floor_checkpoints_everything_and_names_the_floor():
@@ -107,12 +133,19 @@ def test_a_budget_below_the_floor_checkpoints_everything_and_names_the_floor():
 def test_layers_that_cost_more_checkpointed_are_never_checkpointed():
     layers = [LayerCost("a", 10.0, 30.0, 1.0), LayerCost("b", 100.0, 10.0, 1.0)]
     assert solve(layers, 0.0, 50.0).checkpoint == [False, True]
-    assert solve(layers, 0.0, 1.0).checkpoint == [False, True]  # the floor, without the layer that adds bytes
+    assert solve(layers, 0.0, 1.0).checkpoint == [
+        False,
+        True,
+    ]  # the floor, without the layer that adds bytes
 
 
 def test_the_cheapest_plan_is_not_the_fewest_layers():
     """One big slow layer or two small quick ones: the quick ones recompute less."""
-    layers = [LayerCost("big", 100.0, 0.0, 5.0), LayerCost("s1", 60.0, 0.0, 1.0), LayerCost("s2", 60.0, 0.0, 1.0)]
+    layers = [
+        LayerCost("big", 100.0, 0.0, 5.0),
+        LayerCost("s1", 60.0, 0.0, 1.0),
+        LayerCost("s2", 60.0, 0.0, 1.0),
+    ]
     plan = solve(layers, 0.0, 120.0)  # shed 100
     assert plan.checkpoint == [False, True, True] and plan.recompute_s == 2.0
 

@@ -2,6 +2,7 @@
 of checkpoint call shapes (tests/call_grid.py): hypothesis draws cells, each is run four ways (no
 checkpointing, as called, forced non-reentrant, under gcpatch in fix mode), and the committed
 summary table (tests/CALL_GRID.md) is the grid's."""
+
 from __future__ import annotations
 
 import os
@@ -11,11 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
 import call_grid  # noqa: E402
 from call_grid import Cell, classify  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 TABLE = Path(__file__).resolve().parent / "CALL_GRID.md"
 CELLS = call_grid.cells()
@@ -30,20 +30,30 @@ def grid():
 
     logger = logging.getLogger("gcpatch")
     kept = (logger.level, logger.propagate, list(logger.handlers))
-    original = getattr(torch.utils.checkpoint.checkpoint, "__wrapped__", torch.utils.checkpoint.checkpoint)
+    original = getattr(
+        torch.utils.checkpoint.checkpoint, "__wrapped__", torch.utils.checkpoint.checkpoint
+    )
     make = call_grid.gcpatch_caller()
     yield original, make
     engine.stop()
     checkpoint_call.reset()
-    logger.setLevel(kept[0])  # the grid quietened gcpatch's logger: the tests after it read its lines
+    logger.setLevel(
+        kept[0]
+    )  # the grid quietened gcpatch's logger: the tests after it read its lines
     logger.propagate = kept[1]
     logger.handlers[:] = kept[2]
 
 
-@settings(max_examples=int(os.environ.get("GCPATCH_GRID_EXAMPLES", "150")), deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=int(os.environ.get("GCPATCH_GRID_EXAMPLES", "150")),
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(st.sampled_from(CELLS))
-def test_gcpatch_is_never_worse_than_the_blunt_patch_and_never_overrides_an_exact_call(grid, cell: Cell):
+def test_gcpatch_is_never_worse_than_the_blunt_patch_and_never_overrides_an_exact_call(
+    grid, cell: Cell
+):
     original, make = grid
     result = call_grid.run(cell, original, make)
     kind = classify(result)
@@ -62,7 +72,10 @@ def test_the_committed_table_is_the_grid(grid):
     text = TABLE.read_text()
     if os.environ.get("GCPATCH_FULL_GRID") == "1":
         original, make = grid
-        assert call_grid.table([(cell, call_grid.run(cell, original, make)) for cell in CELLS]) + "\n" == text
+        assert (
+            call_grid.table([(cell, call_grid.run(cell, original, make)) for cell in CELLS]) + "\n"
+            == text
+        )
     row = next(line for line in text.splitlines() if line.startswith(f"| {len(CELLS)} |"))
     cells, _, forced, ours, worse, overrode = (int(x) for x in row.strip("|").split("|"))
     assert cells == len(CELLS) and forced == cells

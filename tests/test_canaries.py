@@ -5,6 +5,7 @@ the release, before any user meets a silently unpatched call.
 Each canary is one function of the installed frameworks' objects, so the last test can show that
 a canary fails on a deliberately changed signature (without any framework installed).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -35,7 +36,9 @@ def expect_params(point: str, release: str, func: Any, names: tuple[str, ...]) -
         raise CanaryFailure(f"canary {point} on {release}: no signature ({exc})") from exc
     found = [p for p in params if p in names]
     if found != list(names):
-        raise CanaryFailure(f"canary {point} on {release}: expected parameters {list(names)}, found {params}")
+        raise CanaryFailure(
+            f"canary {point} on {release}: expected parameters {list(names)}, found {params}"
+        )
 
 
 def expect_source(point: str, release: str, obj: Any, needle: str) -> None:
@@ -51,9 +54,15 @@ def expect_source(point: str, release: str, obj: Any, needle: str) -> None:
 def expect_attr(point: str, release: str, owner: Any, name: str) -> Any:
     # classes: the attribute itself, not a descriptor's result; modules: getattr, as lazy modules
     # (trl, transformers) resolve their exports in __getattr__
-    value = getattr(owner, name, None) if inspect.ismodule(owner) else inspect.getattr_static(owner, name, None)
+    value = (
+        getattr(owner, name, None)
+        if inspect.ismodule(owner)
+        else inspect.getattr_static(owner, name, None)
+    )
     if value is None:
-        raise CanaryFailure(f"canary {point} on {release}: {getattr(owner, '__name__', owner)}.{name} is gone")
+        raise CanaryFailure(
+            f"canary {point} on {release}: {getattr(owner, '__name__', owner)}.{name} is gone"
+        )
     return getattr(owner, name)
 
 
@@ -72,38 +81,62 @@ def canary_enable_entry(pretrained: Any, release: str, version: Version) -> None
     5.23; the public method before, with every_n_layers/offload from 5.17)."""
     if version >= Version("5.23"):
         point = f"PreTrainedModel.{CHOKE}"
-        expect_params(point, release, expect_attr(point, release, pretrained, CHOKE),
-                      ("activation_checkpointing_kwargs", "every_n_layers", "offload"))
+        expect_params(
+            point,
+            release,
+            expect_attr(point, release, pretrained, CHOKE),
+            ("activation_checkpointing_kwargs", "every_n_layers", "offload"),
+        )
         for public in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
-            expect_source(f"PreTrainedModel.{public}", release, getattr(pretrained, public),
-                          "activation_checkpointing_enable(")
+            expect_source(
+                f"PreTrainedModel.{public}",
+                release,
+                getattr(pretrained, public),
+                "activation_checkpointing_enable(",
+            )
         expect_source(point, release, getattr(pretrained, CHOKE), "_set_gradient_checkpointing(")
         return
     point = "PreTrainedModel.gradient_checkpointing_enable"
     if inspect.getattr_static(pretrained, CHOKE, None) is not None:
-        raise CanaryFailure(f"canary {point} on {release}: {CHOKE} exists before 5.23; gcpatch's X1 assumes it does not")
-    names = ("gradient_checkpointing_kwargs",) + (("every_n_layers", "offload") if version >= Version("5.17") else ())
+        raise CanaryFailure(
+            f"canary {point} on {release}: {CHOKE} exists before 5.23; gcpatch's X1 assumes it does not"
+        )
+    names = ("gradient_checkpointing_kwargs",) + (
+        ("every_n_layers", "offload") if version >= Version("5.17") else ()
+    )
     func = expect_attr(point, release, pretrained, "gradient_checkpointing_enable")
     expect_params(point, release, func, names)
     expect_source(point, release, func, "_set_gradient_checkpointing(")
 
 
 def canary_disable(pretrained: Any, release: str, version: Version) -> None:
-    name = "_activation_checkpointing_disable" if version >= Version("5.23") else "gradient_checkpointing_disable"
+    name = (
+        "_activation_checkpointing_disable"
+        if version >= Version("5.23")
+        else "gradient_checkpointing_disable"
+    )
     expect_attr(f"PreTrainedModel.{name}", release, pretrained, name)
 
 
 def canary_set_gradient_checkpointing(pretrained: Any, release: str, version: Version) -> None:
     """What the entry point dispatches to (facts.py reads the flags it sets on each module)."""
     point = "PreTrainedModel._set_gradient_checkpointing"
-    expect_params(point, release, expect_attr(point, release, pretrained, "_set_gradient_checkpointing"),
-                  ("enable", "gradient_checkpointing_func"))
+    expect_params(
+        point,
+        release,
+        expect_attr(point, release, pretrained, "_set_gradient_checkpointing"),
+        ("enable", "gradient_checkpointing_func"),
+    )
 
 
 def canary_trainer_call(trainer_module: Any, release: str, version: Version) -> None:
     """X3: the Trainer re-enables through the model's public enable call, inside Trainer.train."""
     expect_attr("Trainer.train", release, trainer_module.Trainer, "train")
-    needle = "checkpointing_enable(" if version >= Version("5.23") else "self.model.gradient_checkpointing_enable("
+    needle = (
+        "checkpointing_enable("
+        if version >= Version("5.23")
+        else "self.model.gradient_checkpointing_enable("
+    )
     expect_source("Trainer (re-enable call)", release, trainer_module, needle)
 
 
@@ -111,18 +144,37 @@ def canary_training_args(training_args: Any, release: str, version: Version) -> 
     expect_attr("TrainingArguments.__post_init__", release, training_args, "__post_init__")
     fields = getattr(training_args, "__dataclass_fields__", {})
     if not {"gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"} & set(fields):
-        raise CanaryFailure(f"canary TrainingArguments.gradient_checkpointing_kwargs on {release}: field is gone")
+        raise CanaryFailure(
+            f"canary TrainingArguments.gradient_checkpointing_kwargs on {release}: field is gone"
+        )
 
 
 TF_CANARIES: list[tuple[str, Callable[[], Any], Callable[..., None]]] = [
-    ("enable entry point", lambda: importlib.import_module("transformers.modeling_utils").PreTrainedModel,
-     canary_enable_entry),
-    ("disable", lambda: importlib.import_module("transformers.modeling_utils").PreTrainedModel, canary_disable),
-    ("_set_gradient_checkpointing", lambda: importlib.import_module("transformers.modeling_utils").PreTrainedModel,
-     canary_set_gradient_checkpointing),
-    ("Trainer's call", lambda: importlib.import_module("transformers.trainer"), canary_trainer_call),
-    ("TrainingArguments", lambda: importlib.import_module("transformers.training_args").TrainingArguments,
-     canary_training_args),
+    (
+        "enable entry point",
+        lambda: importlib.import_module("transformers.modeling_utils").PreTrainedModel,
+        canary_enable_entry,
+    ),
+    (
+        "disable",
+        lambda: importlib.import_module("transformers.modeling_utils").PreTrainedModel,
+        canary_disable,
+    ),
+    (
+        "_set_gradient_checkpointing",
+        lambda: importlib.import_module("transformers.modeling_utils").PreTrainedModel,
+        canary_set_gradient_checkpointing,
+    ),
+    (
+        "Trainer's call",
+        lambda: importlib.import_module("transformers.trainer"),
+        canary_trainer_call,
+    ),
+    (
+        "TrainingArguments",
+        lambda: importlib.import_module("transformers.training_args").TrainingArguments,
+        canary_training_args,
+    ),
 ]
 
 
@@ -134,6 +186,7 @@ def test_transformers_patch_point_shape(name, target, check):
 
 # --- peft ---------------------------------------------------------------------------------------
 
+
 def outside_plugin_range(plugin: str, version: Version | None) -> str:
     """'' when the installed framework is in the range the gcpatch plugin declares, else why not:
     outside it the plugin is skipped (and says so), so its patch points are not relied on."""
@@ -142,7 +195,11 @@ def outside_plugin_range(plugin: str, version: Version | None) -> str:
     spec = importlib.import_module(f"gcpatch_plugins.{plugin}").INFO.versions
     from packaging.specifiers import SpecifierSet
 
-    return "" if version in SpecifierSet(spec) else f"{plugin} {version} is outside the {plugin} plugin's range {spec}"
+    return (
+        ""
+        if version in SpecifierSet(spec)
+        else f"{plugin} {version} is outside the {plugin} plugin's range {spec}"
+    )
 
 
 PEFT = installed("peft")
@@ -157,8 +214,12 @@ def test_peft_kbit_preparation_under_each_exported_name(module):
     still re-enables checkpointing through the model's enable call."""
     release = f"peft {PEFT}"
     point = f"{module}.prepare_model_for_kbit_training"
-    func = expect_attr(point, release, importlib.import_module(module), "prepare_model_for_kbit_training")
-    expect_params(point, release, func, ("use_gradient_checkpointing", "gradient_checkpointing_kwargs"))
+    func = expect_attr(
+        point, release, importlib.import_module(module), "prepare_model_for_kbit_training"
+    )
+    expect_params(
+        point, release, func, ("use_gradient_checkpointing", "gradient_checkpointing_kwargs")
+    )
     expect_source(point, release, func, "gradient_checkpointing_enable(")
 
 
@@ -195,6 +256,7 @@ def test_trl_trainer_init_ends_in_the_transformers_trainer():
 
 
 # --- the canaries themselves --------------------------------------------------------------------
+
 
 def test_a_canary_fails_on_a_changed_signature_naming_the_point_and_the_release():
     """A release that renames the enable call's kwargs argument must fail the canary, loudly."""

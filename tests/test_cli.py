@@ -1,6 +1,7 @@
 """The `gcpatch` command as a newcomer meets it: `--version`, a reader that stops early (`| head`),
 a rule table that is empty for a reason, `explain` on two runs in one directory and on a file
 that is not a record, and a record directory behind someone else's symlink."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,13 +20,37 @@ ALL_PLUGINS = "torch,transformers,peft,trl,deepspeed,ddp,axolotl,colossalai,fsdp
 
 
 def _entry(pid, when, rank=0):
-    return {"time": when, "pid": pid, "rank": rank, "world_size": 1, "stage": "enable", "model": "M",
-            "api": "enable", "source": "call", "asked": {"use_reentrant": True, "from": "the user"},
-            "applied": {"use_reentrant": False}, "rules": ["R1"], "why": {"use_reentrant": "R1: frozen"},
-            "decision": {"mode": "fix", "values": {"use_reentrant": False}, "rules": ["R1"],
-                         "winners": {"use_reentrant": {"knob": "use_reentrant", "value": False,
-                                                       "strength": "required", "rule": "R1", "reason": "frozen"}},
-                         "overruled": [], "conflicts": [], "warnings": []}}
+    return {
+        "time": when,
+        "pid": pid,
+        "rank": rank,
+        "world_size": 1,
+        "stage": "enable",
+        "model": "M",
+        "api": "enable",
+        "source": "call",
+        "asked": {"use_reentrant": True, "from": "the user"},
+        "applied": {"use_reentrant": False},
+        "rules": ["R1"],
+        "why": {"use_reentrant": "R1: frozen"},
+        "decision": {
+            "mode": "fix",
+            "values": {"use_reentrant": False},
+            "rules": ["R1"],
+            "winners": {
+                "use_reentrant": {
+                    "knob": "use_reentrant",
+                    "value": False,
+                    "strength": "required",
+                    "rule": "R1",
+                    "reason": "frozen",
+                }
+            },
+            "overruled": [],
+            "conflicts": [],
+            "warnings": [],
+        },
+    }
 
 
 def _closed_reader(args, cwd, **env):
@@ -33,8 +58,15 @@ def _closed_reader(args, cwd, **env):
     read, write = os.pipe()
     os.close(read)
     try:
-        proc = subprocess.run(args, stdout=write, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                              env={**os.environ, **env}, timeout=120)
+        proc = subprocess.run(
+            args,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            env={**os.environ, **env},
+            timeout=120,
+        )
     finally:
         os.close(write)
     return proc
@@ -47,7 +79,9 @@ def test_version():
 
 @pytest.mark.parametrize("command", ["rules", "explain"])
 def test_a_closed_pipe_ends_quietly(tmp_path, command):
-    (tmp_path / "gcpatch-rank0.jsonl").write_text("".join(json.dumps(_entry(1, 1.0 + i)) + "\n" for i in range(500)))
+    (tmp_path / "gcpatch-rank0.jsonl").write_text(
+        "".join(json.dumps(_entry(1, 1.0 + i)) + "\n" for i in range(500))
+    )
     args = [*GCPATCH, command] + ([str(tmp_path)] if command == "explain" else [])
     proc = _closed_reader(args, tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -55,11 +89,19 @@ def test_a_closed_pipe_ends_quietly(tmp_path, command):
 
 
 def test_an_empty_rule_table_says_why(tmp_path):
-    proc = subprocess.run([*GCPATCH, "rules"], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "GCPATCH_DISABLE_PLUGINS": ALL_PLUGINS})
+    proc = subprocess.run(
+        [*GCPATCH, "rules"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "GCPATCH_DISABLE_PLUGINS": ALL_PLUGINS},
+    )
     assert proc.returncode == 0
     assert proc.stdout.splitlines()[1:] == []  # the header only
-    assert "no plugin is active" in proc.stderr and "torch: blocked (named in GCPATCH_DISABLE_PLUGINS)" in proc.stderr
+    assert (
+        "no plugin is active" in proc.stderr
+        and "torch: blocked (named in GCPATCH_DISABLE_PLUGINS)" in proc.stderr
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
@@ -110,8 +152,11 @@ def test_a_record_directory_behind_another_users_symlink_is_not_followed(tmp_pat
     assert list(target.iterdir()) == []
     # the one line it logged names the link (read from what it reported: other tests may have set
     # gcpatch's logger to a level caplog does not see)
-    assert record._unwritable == {str(link / "run" / "gcpatch-rank0.jsonl"):
-                                  f"OSError: {link} is a symbolic link owned by another user, which gcpatch never follows"}
+    assert record._unwritable == {
+        str(
+            link / "run" / "gcpatch-rank0.jsonl"
+        ): f"OSError: {link} is a symbolic link owned by another user, which gcpatch never follows"
+    }
 
 
 def test_a_record_directory_behind_our_own_symlink_is_written(tmp_path, monkeypatch):

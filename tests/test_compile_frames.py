@@ -1,6 +1,7 @@
 """gcpatch marks its checkpoint frames for torch.compile when dynamo loads (checkpoint_call
 `_eager_under_dynamo`), inside the host's own import of torch._dynamo: a dynamo without the hook it
 uses, or one whose hook fails, leaves the import alone and says so in one line."""
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,8 @@ def test_a_dynamo_without_skip_code_is_said_in_one_line(caplog):
         checkpoint_call._eager_under_dynamo(types.SimpleNamespace())
     assert [r.getMessage() for r in caplog.records] == [
         "gcpatch: this torch's dynamo has no skip_code; a checkpoint call in a frame torch.compile gives back "
-        "to eager may add a graph break"]
+        "to eager may add a graph break"
+    ]
 
 
 def test_a_failing_skip_code_never_reaches_the_import(caplog):

@@ -1,5 +1,6 @@
 """gcpatch/console.py: who says a decision line, and that it shows on the console whatever the host
 configured, printed once. Each case runs in a fresh interpreter (logging is process-wide state)."""
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,18 @@ def say(line, identity="M.enable/enable/call"):
 
 def run(body: str, **env: str) -> subprocess.CompletedProcess:
     code = PRELUDE + textwrap.dedent(body)
-    clean = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "LOCAL_RANK", "GCPATCH")}
-    return subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
-                          timeout=120)
+    clean = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "GCPATCH")
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def lines(text: str, word: str = "gcpatch: ") -> list[str]:
@@ -31,13 +41,17 @@ def lines(text: str, word: str = "gcpatch: ") -> list[str]:
 
 
 def test_no_host_logging_prints_once_on_stderr():
-    proc = run("say('gcpatch: M: use_reentrant True -> False (R1: x)'); say('gcpatch: M: use_reentrant True -> False (R1: x)')")
+    proc = run(
+        "say('gcpatch: M: use_reentrant True -> False (R1: x)'); say('gcpatch: M: use_reentrant True -> False (R1: x)')"
+    )
     assert lines(proc.stderr) == ["gcpatch: M: use_reentrant True -> False (R1: x)"], proc.stderr
     assert "detail of" not in proc.stderr  # the details are DEBUG
 
 
 def test_basic_config_at_info_shows_it_once_through_the_hosts_handler():
-    proc = run("logging.basicConfig(level=logging.INFO, format='HOST %(message)s'); say('gcpatch: M: a (R1: x)')")
+    proc = run(
+        "logging.basicConfig(level=logging.INFO, format='HOST %(message)s'); say('gcpatch: M: a (R1: x)')"
+    )
     assert lines(proc.stderr) == ["HOST gcpatch: M: a (R1: x)"], proc.stderr
 
 
@@ -57,14 +71,24 @@ def test_host_handler_that_hides_info_gets_ours_and_is_left_as_it_was():
         print(json.dumps([root.level, len(root.handlers), len(handler.filters)]))
     """)
     assert lines(proc.stderr) == ["gcpatch: M: a (R1: x)"], proc.stderr  # ours: the host hides INFO
-    assert lines(proc.stdout) == ["gcpatch: M: R1 overrules your use_reentrant=True"], proc.stdout  # the host's
-    assert json.loads(proc.stdout.splitlines()[-1]) == [30, 1, 1]  # the host's configuration untouched
+    assert lines(proc.stdout) == ["gcpatch: M: R1 overrules your use_reentrant=True"], (
+        proc.stdout
+    )  # the host's
+    assert json.loads(proc.stdout.splitlines()[-1]) == [
+        30,
+        1,
+        1,
+    ]  # the host's configuration untouched
 
 
 def test_a_file_only_host_handler_does_not_count_as_the_console(tmp_path):
-    proc = run(f"logging.basicConfig(level=logging.INFO, filename={str(tmp_path / 'host.log')!r}); say('gcpatch: M: a (R1: x)')")
+    proc = run(
+        f"logging.basicConfig(level=logging.INFO, filename={str(tmp_path / 'host.log')!r}); say('gcpatch: M: a (R1: x)')"
+    )
     assert lines(proc.stderr) == ["gcpatch: M: a (R1: x)"], proc.stderr
-    assert "gcpatch: M: a (R1: x)" in (tmp_path / "host.log").read_text()  # and the host's file has it too
+    assert (
+        "gcpatch: M: a (R1: x)" in (tmp_path / "host.log").read_text()
+    )  # and the host's file has it too
 
 
 def test_dict_config_disabling_existing_loggers_does_not_silence_gcpatch():
@@ -76,8 +100,15 @@ def test_dict_config_disabling_existing_loggers_does_not_silence_gcpatch():
     assert lines(proc.stderr) == ["gcpatch: M: a (R1: x)"], proc.stderr
 
 
-@pytest.mark.parametrize("env,said", [({"LOCAL_RANK": "0", "RANK": "0"}, True), ({"LOCAL_RANK": "1", "RANK": "1"}, False),
-                                      ({"RANK": "3"}, False), ({}, True)])
+@pytest.mark.parametrize(
+    "env,said",
+    [
+        ({"LOCAL_RANK": "0", "RANK": "0"}, True),
+        ({"LOCAL_RANK": "1", "RANK": "1"}, False),
+        ({"RANK": "3"}, False),
+        ({}, True),
+    ],
+)
 def test_only_local_rank_zero_says_it(env, said):
     proc = run("say('gcpatch: M: a (R1: x)')", **env)
     assert bool(lines(proc.stderr)) is said, proc.stderr
@@ -102,21 +133,39 @@ def test_another_rank_warns_when_its_line_differs_from_rank_zeros():
         console.exchange(store)
     """)
     warned = lines(proc.stderr, "decided differently")
-    assert warned == ["gcpatch: rank 1 decided differently from rank 0: gcpatch: M: use_reentrant=True as asked "
-                      "(rank 0: gcpatch: M: input-grads hook (R2: y))"], proc.stderr
+    assert warned == [
+        "gcpatch: rank 1 decided differently from rank 0: gcpatch: M: use_reentrant=True as asked "
+        "(rank 0: gcpatch: M: input-grads hook (R2: y))"
+    ], proc.stderr
     # (a release outside a plugin's range adds its one "plugin ... skipped" line: not a decision)
     said = [line for line in lines(proc.stderr) if not line.startswith("gcpatch: plugin ")]
-    assert said == ["gcpatch: M: use_reentrant True -> False (R1: x)",
-                    "gcpatch: M: input-grads hook (R2: y)"] + warned, proc.stderr
+    assert (
+        said
+        == [
+            "gcpatch: M: use_reentrant True -> False (R1: x)",
+            "gcpatch: M: input-grads hook (R2: y)",
+        ]
+        + warned
+    ), proc.stderr
 
 
 def _entry(**changes):
-    winners = {"use_reentrant": {"rule": "R1", "reason": "x" * 300 + ": long", "short": "frozen upstream"},
-               "input_grads_hook": {"rule": "R2", "reason": "hook"}, "eval_mode_fix": {"rule": "R5", "reason": "eval"}}
-    entry = {"rank": 0, "stage": "enable", "model": "M" * 40, "api": "enable", "source": "call",
-             "asked": {"use_reentrant": True, "from": "the user"},
-             "applied": {"use_reentrant": False, "input_grads_hook": True, "eval_mode_fix": 2},
-             "why": {}, "decision": {"winners": winners, "overruled": [], "warnings": [], "conflicts": []}}
+    winners = {
+        "use_reentrant": {"rule": "R1", "reason": "x" * 300 + ": long", "short": "frozen upstream"},
+        "input_grads_hook": {"rule": "R2", "reason": "hook"},
+        "eval_mode_fix": {"rule": "R5", "reason": "eval"},
+    }
+    entry = {
+        "rank": 0,
+        "stage": "enable",
+        "model": "M" * 40,
+        "api": "enable",
+        "source": "call",
+        "asked": {"use_reentrant": True, "from": "the user"},
+        "applied": {"use_reentrant": False, "input_grads_hook": True, "eval_mode_fix": 2},
+        "why": {},
+        "decision": {"winners": winners, "overruled": [], "warnings": [], "conflicts": []},
+    }
     entry.update(changes)
     return entry
 
@@ -125,10 +174,16 @@ def test_headline_says_what_changed_and_the_rule_within_120_characters():
     from gcpatch import headline
 
     line = headline.line(_entry())
-    assert line.startswith("gcpatch: " + "M" * 40 + ": use_reentrant True -> False (R1: frozen upstream)"), line
+    assert line.startswith(
+        "gcpatch: " + "M" * 40 + ": use_reentrant True -> False (R1: frozen upstream)"
+    ), line
     assert len(line) <= 120, (len(line), line)
-    long_source = headline.line(_entry(source="DDP(find_unused_parameters=True) (R4)", model="/a/b/tiny/"))
-    assert long_source.startswith("gcpatch: tiny (DDP): use_reentrant True -> False (R1: frozen upstream)"), long_source
+    long_source = headline.line(
+        _entry(source="DDP(find_unused_parameters=True) (R4)", model="/a/b/tiny/")
+    )
+    assert long_source.startswith(
+        "gcpatch: tiny (DDP): use_reentrant True -> False (R1: frozen upstream)"
+    ), long_source
     no_short = _entry()
     no_short["decision"]["winners"]["use_reentrant"].pop("short")
     assert len(headline.line(no_short)) <= 120  # the reason's first clause, cut to fit

@@ -1,5 +1,6 @@
 """The decision context (gcpatch/context.py), in process: who is asking, and which ask a
 decision reads when a re-enable names none (the last writer would win, transformers#26221)."""
+
 from __future__ import annotations
 
 from gcpatch import context
@@ -12,9 +13,16 @@ class Model:
 
 
 def call(model, asked=None, source=Source.CALL, asked_from="the user's call", keeps_ask="X3"):
-    return EnableCall(model=model, api="gradient_checkpointing_enable", source=source, asked_kwargs=asked,
-                      asked_from=asked_from, invoke=lambda chosen: None, replay=lambda m, a: None,
-                      keeps_ask=keeps_ask)
+    return EnableCall(
+        model=model,
+        api="gradient_checkpointing_enable",
+        source=source,
+        asked_kwargs=asked,
+        asked_from=asked_from,
+        invoke=lambda chosen: None,
+        replay=lambda m, a: None,
+        keeps_ask=keeps_ask,
+    )
 
 
 def test_asking_nests_and_restores():
@@ -30,7 +38,9 @@ def test_a_re_enable_that_names_none_keeps_the_users_ask():
     model = Model()
     first = context.begin(call(model, {"use_reentrant": True}))
     first.commit({"decision": "first"})
-    again = context.begin(call(model, None, source=Source.TRAINER, asked_from="nothing (TrainingArguments)"))
+    again = context.begin(
+        call(model, None, source=Source.TRAINER, asked_from="nothing (TrainingArguments)")
+    )
     assert again.asked == {"use_reentrant": True}
     assert again.asked_from == "the user's call, kept over a re-enable that names none (X3)"
     assert again.chosen(False) == {"use_reentrant": False}

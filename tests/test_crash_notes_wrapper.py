@@ -1,6 +1,7 @@
 """Crash notes in a fresh interpreter: a known family gets one note however deep the backward
 nests (reentrant checkpointing calls backward inside backward); an unknown error gets none;
 the wrapper is installed with the engine and removed with it, by identity."""
+
 from __future__ import annotations
 
 from harness import result_of, run_python
@@ -27,7 +28,13 @@ print("RESULT " + json.dumps({"armed": armed, "wrapped": getattr(wrapped, "_gcpa
       "original_name": torch.autograd.backward.__module__}))
 """
     r = result_of(run_python(code, tmp_path, GCPATCH="1"))
-    assert r == {"armed": False, "wrapped": True, "notes": [], "restored": True, "original_name": "torch.autograd"}
+    assert r == {
+        "armed": False,
+        "wrapped": True,
+        "notes": [],
+        "restored": True,
+        "original_name": "torch.autograd",
+    }
 
 
 def test_not_wrapped_without_gcpatch(tmp_path):

@@ -1,5 +1,6 @@
 """The example third-party plugin (examples/gcpatch-acme) installed as a user would, through its
 own pyproject and entry point: gcpatch loads it, its rule votes, and the record names it."""
+
 from __future__ import annotations
 
 import subprocess
@@ -34,10 +35,27 @@ print("RESULT " + json.dumps({"rule": winner["rule"], "plugin": winner["plugin"]
 
 def test_example_plugin_installs_through_its_entry_point_and_its_rule_votes(tmp_path):
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(EXAMPLE)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert (target / "gcpatch_acme" / "__init__.py").exists()
     result = result_of(run_python(SCRIPT, tmp_path, PYTHONPATH=str(target)))
     assert result == {"rule": "ACME1", "plugin": "acme", "use_reentrant": False}
-    without = result_of(run_python(SCRIPT, tmp_path))  # the same model without the plugin: the user's choice
+    without = result_of(
+        run_python(SCRIPT, tmp_path)
+    )  # the same model without the plugin: the user's choice
     assert without == {"rule": "USER", "plugin": "core", "use_reentrant": True}

@@ -1,10 +1,10 @@
 """Fact gathering (gcpatch/facts.py) in process, on real tiny transformers models built from
 configs: what each rule reads is counted from the model as it is, not assumed."""
+
 from __future__ import annotations
 
 import pytest
 from packaging.version import Version
-
 from subproc import requires_transformers
 
 pytestmark = requires_transformers
@@ -18,13 +18,27 @@ def llama(layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                                        num_attention_heads=2, num_key_value_heads=2))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
 
 
 def gather(model, **asked):
-    return facts.gather(model, stage=Stage.ENABLE, api="gradient_checkpointing_enable", source="call",
-                        asked_kwargs=asked or None, asked_from="the test")
+    return facts.gather(
+        model,
+        stage=Stage.ENABLE,
+        api="gradient_checkpointing_enable",
+        source="call",
+        asked_kwargs=asked or None,
+        asked_from="the test",
+    )
 
 
 def test_parameter_counts_follow_requires_grad():
@@ -60,8 +74,13 @@ def test_checkpointed_layers_their_mode_and_whether_they_train():
     import transformers
 
     release = Version(transformers.__version__)
-    assert got.checkpoint_site == ("loop" if release < Version("4.52") else
-                                   "layer_call" if release < Version("5.23") else "layer_forward")
+    assert got.checkpoint_site == (
+        "loop"
+        if release < Version("4.52")
+        else "layer_call"
+        if release < Version("5.23")
+        else "layer_forward"
+    )
     assert got.layers_in_eval_mode == 0 and got.trainable_in_checkpointed_layers
     model.eval()
     for layer in model.model.layers:
@@ -69,7 +88,11 @@ def test_checkpointed_layers_their_mode_and_whether_they_train():
     got = gather(model)
     assert got.layers_in_eval_mode == flagged
     (stack,) = got.stacks
-    assert stack["stack"] == "model.layers" and stack["blocks"] == 3 and not stack["trainable_in_blocks"]
+    assert (
+        stack["stack"] == "model.layers"
+        and stack["blocks"] == 3
+        and not stack["trainable_in_blocks"]
+    )
     if per_layer:  # a legacy runner also holds the (trainable) embeddings
         assert not got.trainable_in_checkpointed_layers
 

@@ -3,18 +3,19 @@ other plugins' rules, so no plugin copies another's release gate. R1 under ZeRO-
 deepspeed plugin's `zero3_nonreentrant_recompute` (its R3 gate): it applies where the DeepSpeed
 release recomputes partitioned frozen parameters non-reentrant, and stands back where R3's
 reentrant + hook is the only choice that does not crash."""
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
 
 import pytest
+from test_plugin_votes import facts, rules_voted
 
 from gcpatch.hookspecs import hookimpl
 from gcpatch.manager import PluginFailure, PluginHost
 from gcpatch.resolve import resolve, stance_votes
 from gcpatch.schema import REQUIRED, USE_REENTRANT, ZERO3_NONREENTRANT_RECOMPUTE, PluginInfo
-from test_plugin_votes import facts, rules_voted
 
 
 def plugin(name: str):
@@ -30,7 +31,9 @@ class _AsInstalled:
 
     @hookimpl
     def gcpatch_plugin_info(self):
-        return dataclasses.replace(self.module.gcpatch_plugin_info(), framework="pluggy", versions=">=0", proven="")
+        return dataclasses.replace(
+            self.module.gcpatch_plugin_info(), framework="pluggy", versions=">=0", proven=""
+        )
 
     @hookimpl
     def gcpatch_vote(self, facts):
@@ -49,33 +52,51 @@ def _host(*names: str) -> PluginHost:
     return host
 
 
-@pytest.mark.parametrize("version,fixed", [("0.18.9", False), ("0.19.2", False), ("0.19.3", True), ("0.20.0", True)])
+@pytest.mark.parametrize(
+    "version,fixed", [("0.18.9", False), ("0.19.2", False), ("0.19.3", True), ("0.20.0", True)]
+)
 def test_deepspeed_publishes_its_recompute_gate_under_zero3_only(version, fixed):
     ds = plugin("deepspeed")
-    assert ds.gcpatch_facts(facts(zero3=True, versions={"deepspeed": version})) == \
-        {ZERO3_NONREENTRANT_RECOMPUTE: fixed}
+    assert ds.gcpatch_facts(facts(zero3=True, versions={"deepspeed": version})) == {
+        ZERO3_NONREENTRANT_RECOMPUTE: fixed
+    }
     assert ds.gcpatch_facts(facts(zero3=False, versions={"deepspeed": version})) == {}
 
 
 def test_r1_under_zero3_follows_the_published_gate():
     tf = plugin("transformers")
     frozen = dict(zero3=True, frozen_params=50, asked_use_reentrant=True)
-    assert rules_voted(tf.gcpatch_vote(facts(**frozen, framework_facts={ZERO3_NONREENTRANT_RECOMPUTE: True}))) == \
-        [("R1", False, REQUIRED)]
-    assert rules_voted(tf.gcpatch_vote(facts(**frozen, framework_facts={ZERO3_NONREENTRANT_RECOMPUTE: False}))) == []
-    assert rules_voted(tf.gcpatch_vote(facts(**frozen))) == []  # unknown (no deepspeed plugin): stands back
+    assert rules_voted(
+        tf.gcpatch_vote(facts(**frozen, framework_facts={ZERO3_NONREENTRANT_RECOMPUTE: True}))
+    ) == [("R1", False, REQUIRED)]
+    assert (
+        rules_voted(
+            tf.gcpatch_vote(facts(**frozen, framework_facts={ZERO3_NONREENTRANT_RECOMPUTE: False}))
+        )
+        == []
+    )
+    assert (
+        rules_voted(tf.gcpatch_vote(facts(**frozen))) == []
+    )  # unknown (no deepspeed plugin): stands back
     config = dict(stage="config", zero3=True, frozen_params=1, trainable_params=1)
-    assert rules_voted(tf.gcpatch_vote(facts(**config, framework_facts={ZERO3_NONREENTRANT_RECOMPUTE: True}))) == \
-        [("R1", False, REQUIRED)]
+    assert rules_voted(
+        tf.gcpatch_vote(facts(**config, framework_facts={ZERO3_NONREENTRANT_RECOMPUTE: True}))
+    ) == [("R1", False, REQUIRED)]
     assert rules_voted(tf.gcpatch_vote(facts(**config))) == []
 
 
 @pytest.mark.parametrize("version,rule,value", [("0.18.9", "R3", True), ("0.19.3", "R1", False)])
 def test_the_whole_decision_under_zero3_with_both_plugins(version, rule, value):
     host = _host("transformers", "deepspeed")
-    f = host.with_framework_facts(facts(zero3=True, frozen_params=50, asked_use_reentrant=True,
-                                        asked_from="the user", versions={"transformers": "5.23.0",
-                                                                         "deepspeed": version}))
+    f = host.with_framework_facts(
+        facts(
+            zero3=True,
+            frozen_params=50,
+            asked_use_reentrant=True,
+            asked_from="the user",
+            versions={"transformers": "5.23.0", "deepspeed": version},
+        )
+    )
     decision = resolve(stance_votes(f) + host.votes(f), "fix")
     assert decision.winners[USE_REENTRANT].rule == rule and decision.values[USE_REENTRANT] is value
     assert not decision.conflicts  # R1 and R3 never both vote: no crash chosen over a gradient loss
@@ -106,7 +127,10 @@ def test_a_failing_or_garbage_facts_plugin_is_left_out_with_a_warning(caplog):
     with caplog.at_level("WARNING", logger="gcpatch"):
         f = host.with_framework_facts(facts())
     assert dict(f.framework_facts) == {"a": 1, "b": 3}
-    assert "plugin raises dropped from this decision, its gcpatch_facts failed (RuntimeError: boom)" in caplog.text
+    assert (
+        "plugin raises dropped from this decision, its gcpatch_facts failed (RuntimeError: boom)"
+        in caplog.text
+    )
     assert "garbage dropped" in caplog.text and "fact 'a'=2, already 1" in caplog.text
     strict = PluginHost(strict=True)
     strict.add(_FactsPlugin("raises", RuntimeError("boom")), "raises")

@@ -2,6 +2,7 @@
 (checkpoint_wrapper, with its implementation), the wrap being decided now (the fsdp plugin's
 context) and accelerate's launcher environment. FSDP2 `fully_shard` itself needs a process group:
 integration/test_fsdp_frozen.py records it on 2 gloo ranks."""
+
 from __future__ import annotations
 
 import functools
@@ -33,15 +34,25 @@ def test_nothing_fsdp_gives_empty_facts(monkeypatch):
 
 @pytest.mark.parametrize("impl", ["NO_REENTRANT", "REENTRANT"])
 def test_fsdp_checkpoint_wrappers_are_counted_with_their_implementation(monkeypatch, impl):
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                             apply_activation_checkpointing,
-                                                                             checkpoint_wrapper)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     model = _model()
     apply_activation_checkpointing(
-        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl[impl]),
-        check_fn=lambda m: isinstance(m, Block))
-    assert fsdp_facts(model, {}) == {"fsdp": "", "fsdp_checkpointing": f"checkpoint_wrapper: 2 modules ({impl.lower()})"}
+        model,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl[impl]
+        ),
+        check_fn=lambda m: isinstance(m, Block),
+    )
+    assert fsdp_facts(model, {}) == {
+        "fsdp": "",
+        "fsdp_checkpointing": f"checkpoint_wrapper: 2 modules ({impl.lower()})",
+    }
 
 
 def test_the_wrap_being_decided_and_accelerates_launcher_are_facts(monkeypatch):
@@ -49,5 +60,7 @@ def test_the_wrap_being_decided_and_accelerates_launcher_are_facts(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
     facts = fsdp_facts(_model(), {"fsdp": "fsdp2"})
-    assert facts == {"fsdp": "fsdp2, accelerate:fsdp2",
-                     "fsdp_checkpointing": "accelerate FSDP plugin activation_checkpointing (planned)"}
+    assert facts == {
+        "fsdp": "fsdp2, accelerate:fsdp2",
+        "fsdp_checkpointing": "accelerate FSDP plugin activation_checkpointing (planned)",
+    }

@@ -1,5 +1,6 @@
 """The child runner never blocks the suite: a hung run whose descendant left the process group
 (a rank that outlived torchrun) is stopped whole and reported as a timeout."""
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,9 @@ def test_a_hung_run_with_an_escaped_descendant_ends_at_its_timeout(tmp_path):
     proc = run([sys.executable, "-c", _ESCAPES], tmp_path, child_env(), timeout=5)
     took = time.monotonic() - start
     assert proc.returncode is None and "[timed out after 5s]" in proc.stderr, proc
-    pids = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("GRANDCHILD")]
+    pids = [
+        int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("GRANDCHILD")
+    ]
     assert pids, proc.stdout
     assert took < 30, took
     time.sleep(0.2)

@@ -1,6 +1,7 @@
 """The layers of gcpatch/, read from the source (deferred imports inside functions count): no
 module imports one of a higher layer, so there is no import circle. The order is the one
 docs/LAYOUT.md describes; a new module names its layer here."""
+
 from __future__ import annotations
 
 import ast
@@ -16,7 +17,10 @@ LAYERS = (
     ("rules", {"resolve"}),
     ("effects", {"apply", "console", "record", "crash_notes", "reentrant_grads"}),
     ("plugin runtime", {"patching", "manager", "engine"}),
-    ("orchestration", {"checkpoint_call", "verify", "layer_costs", "planner", "pipeline", "agreement"}),
+    (
+        "orchestration",
+        {"checkpoint_call", "verify", "layer_costs", "planner", "pipeline", "agreement"},
+    ),
     ("switch and surfaces", {"activation", "__init__", "plugin", "cli", "__main__"}),
 )
 
@@ -29,14 +33,23 @@ def imports() -> dict[str, set[str]]:
         out: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom):
-                base = f"gcpatch.{node.module}" if node.level and node.module else "gcpatch" if node.level else node.module
+                base = (
+                    f"gcpatch.{node.module}"
+                    if node.level and node.module
+                    else "gcpatch"
+                    if node.level
+                    else node.module
+                )
                 if base == "gcpatch":
                     out |= {a.name if a.name in modules else "__init__" for a in node.names}
                 elif base and base.startswith("gcpatch."):
                     out.add(base.split(".")[1])
             elif isinstance(node, ast.Import):
-                out |= {a.name.split(".")[1] if "." in a.name else "__init__"
-                        for a in node.names if a.name.split(".")[0] == "gcpatch"}
+                out |= {
+                    a.name.split(".")[1] if "." in a.name else "__init__"
+                    for a in node.names
+                    if a.name.split(".")[0] == "gcpatch"
+                }
         found[path.stem] = out - {path.stem}
     return found
 
@@ -88,8 +101,12 @@ def test_every_module_has_a_layer():
 
 def test_no_module_imports_a_higher_layer():
     level = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
-    upward = sorted(f"{m} ({LAYERS[level[m]][0]}) imports {d} ({LAYERS[level[d]][0]})"
-                    for m, deps in imports().items() for d in deps if m in level and d in level and level[d] > level[m])
+    upward = sorted(
+        f"{m} ({LAYERS[level[m]][0]}) imports {d} ({LAYERS[level[d]][0]})"
+        for m, deps in imports().items()
+        for d in deps
+        if m in level and d in level and level[d] > level[m]
+    )
     assert upward == []
 
 
@@ -97,5 +114,8 @@ def test_docs_layout_names_every_module_in_its_layer():
     text = (PACKAGE.parent / "docs" / "LAYOUT.md").read_text(encoding="utf-8")
     items = re.findall(r"^\d+\. \*\*([a-z ]+)\*\*:(.*?)(?=^\d+\. \*\*|^$)", text, re.M | re.S)
     documented = {layer: set(re.findall(r"`([a-z_]+)`", body)) for layer, body in items}
-    assert {layer: names - documented.get(layer, set()) for layer, names in LAYERS
-            if names - documented.get(layer, set())} == {}
+    assert {
+        layer: names - documented.get(layer, set())
+        for layer, names in LAYERS
+        if names - documented.get(layer, set())
+    } == {}

@@ -1,5 +1,6 @@
 """The budget's instrument (gcpatch/layer_costs.py): the bytes a forward leaves alive for its
 backward, per layer, on a stack whose saved tensors are known by hand."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,20 +42,26 @@ def _stack(n: int = 4):
 def test_measured_bytes_are_the_saved_tensors_extrapolated_to_the_batch():
     model = _stack()
     x = torch.randn(BATCH, WIDTH, requires_grad=True)
-    measured = layer_costs.measure(model, list(model), lambda rows: model(x[:rows]), BATCH, ["Block"] * 4)
+    measured = layer_costs.measure(
+        model, list(model), lambda rows: model(x[:rows]), BATCH, ["Block"] * 4
+    )
     assert measured.rows == [1, 2]
     for layer in measured.layers:
         assert layer.plain == BATCH * 5 * WIDTH * F32
         assert layer.checkpointed == BATCH * WIDTH * F32
         assert layer.seconds > 0
-    assert len({layer.seconds for layer in measured.layers}) == 1  # one kind, one averaged recompute cost
+    assert (
+        len({layer.seconds for layer in measured.layers}) == 1
+    )  # one kind, one averaged recompute cost
     assert measured.outside == 0  # x was made before the forward: not the forward's to hold
 
 
 def test_a_plan_holds_what_it_predicts():
     model = _stack()
     x = torch.randn(BATCH, WIDTH, requires_grad=True)
-    measured = layer_costs.measure(model, list(model), lambda rows: model(x[:rows]), BATCH, ["Block"] * 4)
+    measured = layer_costs.measure(
+        model, list(model), lambda rows: model(x[:rows]), BATCH, ["Block"] * 4
+    )
     plan = solve(measured.layers, measured.outside, 0.5 * measured.plain_total)
     assert plan.count == 3  # each checkpointed block sheds 4/5 of its bytes: 3 of 4 reach 50%
     for block, flag in zip(model, plan.checkpoint):

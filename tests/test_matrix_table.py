@@ -1,6 +1,7 @@
 """The version matrix's one table of release pairs (matrix/releases.csv) is complete, tox's CI slice
 uses the same pairs, the committed results table is what the runner renders from its results,
 and the transformers plugin's proven range spans the table. Framework-free."""
+
 from __future__ import annotations
 
 import ast
@@ -41,7 +42,13 @@ def test_tox_ci_slice_uses_the_table_pairs():
     deps = tox["testenv"]["deps"].splitlines()
     by_version = {r["transformers"]: r for r in ROWS}
     # an env's release is its first factor (tf524-unit and tf524-it run the same release)
-    envs = sorted({e.strip().split("-")[0] for e in tox["tox"]["env_list"].split(",") if e.strip().startswith("tf")})
+    envs = sorted(
+        {
+            e.strip().split("-")[0]
+            for e in tox["tox"]["env_list"].split(",")
+            if e.strip().startswith("tf")
+        }
+    )
     pinned = set()
     for env in envs:
         pins = {}
@@ -61,7 +68,9 @@ def test_committed_results_table_is_the_rendered_results():
     module = runner()
     results = json.loads((ROOT / "matrix" / "results.json").read_text())
     table = (ROOT / "matrix" / "RESULTS.md").read_text()
-    assert table == module.render(results), "RESULTS.md is stale: run `python matrix/run.py --render`"
+    assert table == module.render(results), (
+        "RESULTS.md is stale: run `python matrix/run.py --render`"
+    )
     for row in ROWS:
         assert f"| {row['transformers']} |" in table
 
@@ -72,22 +81,29 @@ def test_a_failing_rule_is_reported_as_fail_not_dropped(tmp_path):
     module = runner()
     junit = tmp_path / "j.xml"
     junit.write_text(
-        '<testsuites><testsuite>'
+        "<testsuites><testsuite>"
         '<testcase classname="integration.test_frozen_gradients" name="a"><failure message="wrong 9"/></testcase>'
         '<testcase classname="integration.test_frozen_gradients" name="b"/>'
         '<testcase classname="integration.test_enable_arguments" name="c">'
         '<skipped message="transformers 4.57.6 has no every_n_layers"/></testcase>'
-        '</testsuite></testsuites>')
+        "</testsuite></testsuites>"
+    )
     out = module.summarise(junit, ["R1 frozen", "X1 args", "P4 LoRA"])
     assert out["R1 frozen"]["state"] == "fail" and out["R1 frozen"]["n"] == 1
-    assert out["X1 args"] == {"state": "skip", "detail": "transformers 4.57.6 has no every_n_layers"}
+    assert out["X1 args"] == {
+        "state": "skip",
+        "detail": "transformers 4.57.6 has no every_n_layers",
+    }
     assert out["P4 LoRA"]["state"] == "fail" and out["P4 LoRA"]["detail"] == "no test collected"
 
 
 def test_transformers_plugin_proven_range_spans_the_table():
     source = (ROOT / "plugins" / "transformers.py").read_text()
-    call = next(n for n in ast.walk(ast.parse(source))
-                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "PluginInfo")
+    call = next(
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "PluginInfo"
+    )
     proven = SpecifierSet(next(k.value.value for k in call.keywords if k.arg == "proven"))
     supported = [r["transformers"] for r in ROWS if r["status"] != "unsupported"]
     assert supported[0] in proven and supported[-1] in proven
@@ -96,10 +112,19 @@ def test_transformers_plugin_proven_range_spans_the_table():
 
 def test_the_table_names_the_gcpatch_commit_each_release_proved():
     module = runner()
-    cell = {"transformers": "4.99.0", "peft": "p", "trl": "t", "python": "3.11", "torch": "2.13.0", "wall_s": 1.0,
-            "rules": {"R1 frozen": {"state": "pass", "n": 2, "skipped": [], "code": "abc1234"},
-                      "P4 LoRA": {"state": "pass", "n": 1, "skipped": [], "code": "abc1234"},
-                      "R5 eval": {"state": "pass", "n": 1, "skipped": []}}}
+    cell = {
+        "transformers": "4.99.0",
+        "peft": "p",
+        "trl": "t",
+        "python": "3.11",
+        "torch": "2.13.0",
+        "wall_s": 1.0,
+        "rules": {
+            "R1 frozen": {"state": "pass", "n": 2, "skipped": [], "code": "abc1234"},
+            "P4 LoRA": {"state": "pass", "n": 1, "skipped": [], "code": "abc1234"},
+            "R5 eval": {"state": "pass", "n": 1, "skipped": []},
+        },
+    }
     assert module._codes(cell) == "abc1234 (2), - (1)"
     assert module.code_version().split("-")[0]  # a commit, read from this checkout
 

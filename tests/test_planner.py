@@ -1,6 +1,7 @@
 """The memory budget's first-forward step (gcpatch/planner.py) on models without transformers:
 where a per-layer plan cannot be applied it says why and leaves checkpointing as decided, and a
 failure while measuring fails open with one line."""
+
 from __future__ import annotations
 
 import logging
@@ -33,7 +34,9 @@ class Layer(torch.nn.Module):
 
 
 # A class named like transformers' base: facts.is_checkpoint_layer recognises the layout by name.
-GradientCheckpointingLayer = type("GradientCheckpointingLayer", (Layer,), {"forward": lambda self, x: x})
+GradientCheckpointingLayer = type(
+    "GradientCheckpointingLayer", (Layer,), {"forward": lambda self, x: x}
+)
 
 
 class Block(GradientCheckpointingLayer):

@@ -2,6 +2,7 @@
 change to what third-party plugins may rely on), every exported name says what it is for, and the
 built-in plugins and the example import gcpatch through it alone, but for the internals that
 `BUILTIN_ONLY` names."""
+
 from __future__ import annotations
 
 import ast
@@ -13,10 +14,36 @@ import gcpatch.plugin as api
 ROOT = Path(__file__).resolve().parents[1]
 
 PINNED = [
-    "CRASH", "EVAL_MODE_FIX", "INPUT_GRADS_HOOK", "LIFT_BOUND_TENSORS", "NO_MEMORY_SAVED", "RECOMMENDED", "REQUIRED", "RUN_INLINE",
-    "USE_CACHE_OFF", "USE_REENTRANT", "WRONG_GRADIENTS", "ZERO3_NONREENTRANT_RECOMPUTE",
-    "CallFacts", "Decision", "EnableCall", "Facts", "GcpatchError", "PatchPoint", "PluginInfo", "Rule", "Source", "Vote",
-    "asking", "for_config", "hookimpl", "installed_version", "redecide", "redecide_within", "run_config", "run_disable",
+    "CRASH",
+    "EVAL_MODE_FIX",
+    "INPUT_GRADS_HOOK",
+    "LIFT_BOUND_TENSORS",
+    "NO_MEMORY_SAVED",
+    "RECOMMENDED",
+    "REQUIRED",
+    "RUN_INLINE",
+    "USE_CACHE_OFF",
+    "USE_REENTRANT",
+    "WRONG_GRADIENTS",
+    "ZERO3_NONREENTRANT_RECOMPUTE",
+    "CallFacts",
+    "Decision",
+    "EnableCall",
+    "Facts",
+    "GcpatchError",
+    "PatchPoint",
+    "PluginInfo",
+    "Rule",
+    "Source",
+    "Vote",
+    "asking",
+    "for_config",
+    "hookimpl",
+    "installed_version",
+    "redecide",
+    "redecide_within",
+    "run_config",
+    "run_disable",
     "run_enable",
 ]
 
@@ -46,7 +73,9 @@ def _gcpatch_imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module == "gcpatch":
             found |= {f"gcpatch.{a.name}" for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gcpatch."):
+        elif (
+            isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gcpatch.")
+        ):
             found.add(node.module)
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("gcpatch.")}
@@ -55,11 +84,18 @@ def _gcpatch_imports(path: Path) -> set[str]:
 
 def test_built_in_plugins_import_the_api_or_a_listed_internal():
     allowed = {"gcpatch.plugin", *api.BUILTIN_ONLY}
-    beyond = {p.name: sorted(_gcpatch_imports(p) - allowed) for p in sorted((ROOT / "plugins").glob("*.py"))}
+    beyond = {
+        p.name: sorted(_gcpatch_imports(p) - allowed)
+        for p in sorted((ROOT / "plugins").glob("*.py"))
+    }
     assert {name: mods for name, mods in beyond.items() if mods} == {}
     used = set().union(*(_gcpatch_imports(p) for p in (ROOT / "plugins").glob("*.py")))
-    assert set(api.BUILTIN_ONLY) <= used, "an internal no built-in plugin needs any more: drop it from BUILTIN_ONLY"
+    assert set(api.BUILTIN_ONLY) <= used, (
+        "an internal no built-in plugin needs any more: drop it from BUILTIN_ONLY"
+    )
 
 
 def test_the_example_plugin_needs_the_api_alone():
-    assert _gcpatch_imports(ROOT / "examples" / "gcpatch-acme" / "gcpatch_acme" / "__init__.py") == {"gcpatch.plugin"}
+    assert _gcpatch_imports(
+        ROOT / "examples" / "gcpatch-acme" / "gcpatch_acme" / "__init__.py"
+    ) == {"gcpatch.plugin"}

@@ -1,5 +1,6 @@
 """One rank fallback order (gcpatch/ranks.py), read by the record, the console and the crash
 notes alike: RANK, else the process group's rank, else LOCAL_RANK, else 0."""
+
 from __future__ import annotations
 
 import sys
@@ -20,21 +21,29 @@ def launcher(monkeypatch):
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         if group is not None:
-            dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
-                                         get_rank=lambda: group, get_world_size=lambda: 8)
+            dist = types.SimpleNamespace(
+                is_available=lambda: True,
+                is_initialized=lambda: True,
+                get_rank=lambda: group,
+                get_world_size=lambda: 8,
+            )
             monkeypatch.setitem(sys.modules, "torch.distributed", dist)
         else:
             monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
+
     return set_up
 
 
-@pytest.mark.parametrize("env, group, rank, local", [
-    ({}, None, 0, 0),
-    ({"RANK": "3", "LOCAL_RANK": "1"}, 5, 3, 1),  # the variables win over the group
-    ({"LOCAL_RANK": "2"}, 6, 6, 2),  # no RANK: the group's rank is the global one
-    ({"LOCAL_RANK": "2"}, None, 2, 2),  # one node, no group yet: the local rank
-    ({}, 4, 4, 4),  # mp.spawn: no variable, only the group
-])
+@pytest.mark.parametrize(
+    "env, group, rank, local",
+    [
+        ({}, None, 0, 0),
+        ({"RANK": "3", "LOCAL_RANK": "1"}, 5, 3, 1),  # the variables win over the group
+        ({"LOCAL_RANK": "2"}, 6, 6, 2),  # no RANK: the group's rank is the global one
+        ({"LOCAL_RANK": "2"}, None, 2, 2),  # one node, no group yet: the local rank
+        ({}, 4, 4, 4),  # mp.spawn: no variable, only the group
+    ],
+)
 def test_one_fallback_order(launcher, env, group, rank, local):
     launcher(group, **env)
     assert (ranks.rank(), ranks.local_rank()) == (rank, local)

@@ -2,18 +2,21 @@
 peft's source of `prepare_model_for_kbit_training` and assigns the result) is found at the next
 decision: gcpatch wraps the replacement, says so once, and the replacement's enable calls are
 attributed to peft again."""
+
 from __future__ import annotations
 
 import pytest
-from packaging.version import Version
 from harness import result_of, run_python
+from packaging.version import Version
 from subproc import requires_transformers
 
 pytestmark = requires_transformers
 peft = pytest.importorskip("peft")
 if Version(peft.__version__) < Version("0.10"):
-    pytest.skip(f"peft {peft.__version__} is below the peft plugin's range (>=0.10): P3's patch point is not installed",
-                allow_module_level=True)
+    pytest.skip(
+        f"peft {peft.__version__} is below the peft plugin's range (>=0.10): P3's patch point is not installed",
+        allow_module_level=True,
+    )
 pytest.importorskip("bitsandbytes")
 
 SCRIPT = """
@@ -49,8 +52,10 @@ print("RESULT " + json.dumps({"first": first, "ours_now": ours_now, "second": se
 def test_a_rebound_patch_point_is_wrapped_again_and_reported_once(tmp_path):
     proc = run_python(SCRIPT, tmp_path, GCPATCH="1")
     result = result_of(proc)
-    assert result == {"first": "call", "ours_now": ["_GcpatchWrapper", True, True],
-                      "second": "peft.prepare_model_for_kbit_training"}, \
-        proc.stderr
+    assert result == {
+        "first": "call",
+        "ours_now": ["_GcpatchWrapper", True, True],
+        "second": "peft.prepare_model_for_kbit_training",
+    }, proc.stderr
     reports = [line for line in proc.stderr.splitlines() if "was rebound by another tool" in line]
     assert len(reports) == 1 and "<patched peft source>" in reports[0], proc.stderr

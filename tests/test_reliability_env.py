@@ -1,6 +1,7 @@
 """Bad values for every environment variable gcpatch reads, and for the checkpoint arguments:
 each gets one line that says exactly what gcpatch does instead, and the job runs. Plugins load
 from installed distributions only: a *.dist-info next to the script needs GCPATCH_LOCAL_PLUGINS=1."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,13 +25,29 @@ print("RESULT " + json.dumps({"missing_grads": missing,
 
 # variable, bad value, the words its one line must hold
 BAD = [
-    ("GCPATCH_MODE", "bogus", "GCPATCH_MODE='bogus' is not one of fix | warn | strict | off; using fix"),
-    ("GCPATCH_LOG", "loud", "GCPATCH_LOG='loud' is not one of debug | info | warning | error | off; using info"),
-    ("GCPATCH_DISABLE_PLUGINS", "trasnformers", "GCPATCH_DISABLE_PLUGINS names no installed plugin: trasnformers"),
+    (
+        "GCPATCH_MODE",
+        "bogus",
+        "GCPATCH_MODE='bogus' is not one of fix | warn | strict | off; using fix",
+    ),
+    (
+        "GCPATCH_LOG",
+        "loud",
+        "GCPATCH_LOG='loud' is not one of debug | info | warning | error | off; using info",
+    ),
+    (
+        "GCPATCH_DISABLE_PLUGINS",
+        "trasnformers",
+        "GCPATCH_DISABLE_PLUGINS names no installed plugin: trasnformers",
+    ),
     ("RANK", "abc", "RANK='abc' is not an integer; gcpatch uses 0"),
     ("WORLD_SIZE", "two", "WORLD_SIZE='two' is not an integer; gcpatch uses 1"),
     ("GCPATCH_LOCAL_PLUGINS", "maybe", "GCPATCH_LOCAL_PLUGINS='maybe' is neither 1 nor 0"),
-    ("GCPATCH_MEMORY_BUDGET", "lots", "GCPATCH_MEMORY_BUDGET='lots' is neither a fraction like 0.5 nor a size like 6GiB or 800MB; no budget is applied"),
+    (
+        "GCPATCH_MEMORY_BUDGET",
+        "lots",
+        "GCPATCH_MEMORY_BUDGET='lots' is neither a fraction like 0.5 nor a size like 6GiB or 800MB; no budget is applied",
+    ),
 ]
 
 
@@ -42,8 +59,9 @@ def test_every_bad_value_gets_one_line_and_the_job_trains_with_the_rules_applied
     survived = proc.returncode == 0 and len(got) == 1
     lost = not survived or got[0]["missing_grads"] != 0
     problems = []
-    for name, value, words in BAD + [("use_reentrant", "'False'", "use_reentrant='False' is a string, which torch "
-                                      "reads as True")]:
+    for name, value, words in BAD + [
+        ("use_reentrant", "'False'", "use_reentrant='False' is a string, which torch reads as True")
+    ]:
         count = sum(1 for line in proc.stderr.splitlines() if words in line)
         tally("bad values", f"{name}={value}", survived, count == 1, lost)
         if count != 1:
@@ -58,10 +76,15 @@ def test_every_bad_value_gets_one_line_and_the_job_trains_with_the_rules_applied
 
 @pytest.mark.parametrize("value", ["garbage", "enable"])
 def test_a_bad_gcpatch_switch_says_it_stays_off(tmp_path, value):
-    proc = run("import gcpatch; print('RESULT {\"active\": %s}' % str(gcpatch.is_active()).lower())", tmp_path,
-               GCPATCH=value)
+    proc = run(
+        "import gcpatch; print('RESULT {\"active\": %s}' % str(gcpatch.is_active()).lower())",
+        tmp_path,
+        GCPATCH=value,
+    )
     lines = [line for line in proc.stderr.splitlines() if "GCPATCH=" in line]
-    clear = len(lines) == 1 and "stays off, as with GCPATCH=0" in lines[0] and "default" not in lines[0]
+    clear = (
+        len(lines) == 1 and "stays off, as with GCPATCH=0" in lines[0] and "default" not in lines[0]
+    )
     tally("bad values", f"GCPATCH={value}", proc.returncode == 0, clear, False)
     assert proc.returncode == 0 and results(proc) == [{"active": False}]
     assert clear, proc.stderr
@@ -75,13 +98,20 @@ print("RESULT " + json.dumps(sorted(s.name for s in engine.start().statuses)))
 
 
 def test_a_dist_info_next_to_the_script_is_not_loaded_unless_asked(tmp_path):
-    install_fault_plugin(tmp_path)  # faulty_plugin-0.1.dist-info in the working directory, as a stray folder
+    install_fault_plugin(
+        tmp_path
+    )  # faulty_plugin-0.1.dist-info in the working directory, as a stray folder
     plain = run(LIST_PLUGINS, tmp_path, GCPATCH="1")
     opted = run(LIST_PLUGINS, tmp_path, GCPATCH="1", GCPATCH_LOCAL_PLUGINS="1")
     named = [line for line in plain.stderr.splitlines() if "faulty" in line]
     clear = len(named) == 1 and "GCPATCH_LOCAL_PLUGINS=1" in named[0]
-    tally("plugin loading", "*.dist-info next to the script", plain.returncode == 0, clear,
-          "faulty" in (results(plain) or [[]])[0])
+    tally(
+        "plugin loading",
+        "*.dist-info next to the script",
+        plain.returncode == 0,
+        clear,
+        "faulty" in (results(plain) or [[]])[0],
+    )
     assert "faulty" not in results(plain)[0], plain.stderr
     assert clear, plain.stderr
     assert "faulty" in results(opted)[0], opted.stderr

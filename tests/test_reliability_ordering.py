@@ -3,6 +3,7 @@ the framework, imported twice, the start-up line run twice, `python -I`, a spawn
 deactivate and activate again. Every order ends with the enable call wrapped exactly once and R2
 deciding (a model with frozen embeddings asking for reentrant keeps it, and its inputs_embeds get
 the input-grads hook that makes it exact)."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,14 +34,25 @@ def check():
 ORDERS = {
     "gcpatch first": ("import gcpatch, transformers", {}, []),
     "framework first": ("import transformers, gcpatch", {}, []),
-    "imported twice": ("import gcpatch, importlib, sys; del sys.modules['gcpatch']; import gcpatch; import transformers",
-                       {}, []),
-    "start-up line twice": ("import _gcpatch_startup; _gcpatch_startup.bootstrap(); _gcpatch_startup.bootstrap()",
-                            {"GCPATCH": "1"}, []),
+    "imported twice": (
+        "import gcpatch, importlib, sys; del sys.modules['gcpatch']; import gcpatch; import transformers",
+        {},
+        [],
+    ),
+    "start-up line twice": (
+        "import _gcpatch_startup; _gcpatch_startup.bootstrap(); _gcpatch_startup.bootstrap()",
+        {"GCPATCH": "1"},
+        [],
+    ),
     "GCPATCH=1 and import": ("import gcpatch, transformers", {"GCPATCH": "1"}, []),
     "python -I": ("import transformers", {"GCPATCH": "1"}, ["-I"]),
-    "deactivate, activate": ("import gcpatch, transformers; gcpatch.deactivate(); gcpatch.activate()", {}, []),
-    "spawned child": ("""
+    "deactivate, activate": (
+        "import gcpatch, transformers; gcpatch.deactivate(); gcpatch.activate()",
+        {},
+        [],
+    ),
+    "spawned child": (
+        """
 import gcpatch, multiprocessing as mp
 def child(q):
     q.put(check())
@@ -48,7 +60,10 @@ if __name__ == "__main__":
     ctx = mp.get_context("spawn"); q = ctx.Queue(); p = ctx.Process(target=child, args=(q,)); p.start()
     out = q.get(timeout=120); p.join(); print("RESULT " + __import__("json").dumps(out))
     raise SystemExit(0)
-""", {}, []),
+""",
+        {},
+        [],
+    ),
 }
 
 
@@ -56,11 +71,18 @@ if __name__ == "__main__":
 def test_every_order_patches_once_and_decides(tmp_path, order):
     code, env, args = ORDERS[order]
     script = tmp_path / "user_script.py"  # a file: spawn re-imports the main module
-    script.write_text(CHECK + "\n" + code + "\nimport json\nif __name__ == '__main__':\n"
-                      "    print('RESULT ' + json.dumps(check()))\n")
-    proc = run(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')" if order != "spawned child"
-               else f"import sys, runpy; sys.argv = [{str(script)!r}]; runpy.run_path({str(script)!r}, run_name='__main__')",
-               tmp_path, args=args, **env)
+    script.write_text(
+        CHECK + "\n" + code + "\nimport json\nif __name__ == '__main__':\n"
+        "    print('RESULT ' + json.dumps(check()))\n"
+    )
+    proc = run(
+        f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')"
+        if order != "spawned child"
+        else f"import sys, runpy; sys.argv = [{str(script)!r}]; runpy.run_path({str(script)!r}, run_name='__main__')",
+        tmp_path,
+        args=args,
+        **env,
+    )
     got = results(proc)
     survived = proc.returncode == 0 and bool(got) and "Traceback" not in proc.stderr
     ok = survived and got[0] == {"wrapped": 1, "missing_grads": 0}

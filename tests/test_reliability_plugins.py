@@ -5,6 +5,7 @@ Fix mode: the job trains, the plugin is dropped or disabled with exactly one lin
 the built-in rules still decide (R1 keeps the gradients right). Strict mode: a GcpatchError naming
 the plugin. A failing patch-point wrapper logs once, not on every call.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,20 @@ def site(tmp_path_factory):
 
 
 def _matrix(site, tmp_path, mode):
-    proc = run(f"import runpy; runpy.run_path({str(FAULTS / 'hook_matrix.py')!r}, run_name='__main__')", tmp_path,
-               GCPATCH="1", GCPATCH_MODE=mode, PYTHONPATH=site)
+    proc = run(
+        f"import runpy; runpy.run_path({str(FAULTS / 'hook_matrix.py')!r}, run_name='__main__')",
+        tmp_path,
+        GCPATCH="1",
+        GCPATCH_MODE=mode,
+        PYTHONPATH=site,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    cases = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    cases = [
+        json.loads(line[len("RESULT ") :])
+        for line in proc.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
     assert len(cases) == 11, proc.stdout[-2000:]
     return cases
 
@@ -40,7 +50,8 @@ def test_fix_mode_a_faulty_plugin_costs_nothing_but_one_line(site, tmp_path):
         expected_lines = 0 if not case["hook"] else 1
         clear = len(case["faulty_lines"]) == expected_lines and all(
             "faulty" in line and ("disabled" in line or "dropped" in line or "unpatched" in line)
-            for line in case["faulty_lines"])
+            for line in case["faulty_lines"]
+        )
         if case["hook"] == "vote":
             clear = clear and "built-in ones included, still decide" in case["faulty_lines"][0]
         tally("plugin faults (fix)", name, survived, clear, lost)
@@ -58,8 +69,11 @@ def test_strict_mode_raises_one_error_naming_the_plugin(site, tmp_path):
             tally("plugin faults (strict)", name, ok, ok, case["wrong_grads"] != 0)
         else:
             error = case["error"] or ""
-            ok = error.startswith("GcpatchError: [plugin:faulty]") and "injected fault" in error or (
-                error.startswith("GcpatchError: [plugin:faulty]") and case["kind"] != "raise")
+            ok = (
+                error.startswith("GcpatchError: [plugin:faulty]")
+                and "injected fault" in error
+                or (error.startswith("GcpatchError: [plugin:faulty]") and case["kind"] != "raise")
+            )
             tally("plugin faults (strict)", name, not error.startswith("CRASH"), ok, False)
         if not ok:
             problems.append((name, case))

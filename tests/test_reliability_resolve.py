@@ -1,6 +1,7 @@
 """The resolver is total, deterministic and independent of the order votes arrive in (plugin
 order), over random votes and modes (hypothesis); required votes avoiding equally bad failures
 are settled by the stated tie rule, and the message says it was a tie."""
+
 from __future__ import annotations
 
 import itertools
@@ -36,9 +37,18 @@ votes_st = st.builds(
     plugin=st.sampled_from(("transformers", "deepspeed", "third")),
     avoids=st.sampled_from(tuple(FAILURE_ORDER)),
 )
-user_st = st.builds(Vote, knob=st.just(USE_REENTRANT), value=st.booleans(), strength=st.just(USER),
-                    rule=st.just("USER"), reason=st.just("asked"), plugin=st.just("core"))
-vote_lists = st.tuples(st.lists(votes_st, max_size=7), st.lists(user_st, max_size=1)).map(lambda t: t[0] + t[1])
+user_st = st.builds(
+    Vote,
+    knob=st.just(USE_REENTRANT),
+    value=st.booleans(),
+    strength=st.just(USER),
+    rule=st.just("USER"),
+    reason=st.just("asked"),
+    plugin=st.just("core"),
+)
+vote_lists = st.tuples(st.lists(votes_st, max_size=7), st.lists(user_st, max_size=1)).map(
+    lambda t: t[0] + t[1]
+)
 
 
 def _outcome(votes, mode):
@@ -69,11 +79,21 @@ def test_total_deterministic_and_order_independent(votes, mode, rnd):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(votes_st.filter(lambda v: v.strength == REQUIRED), min_size=2, max_size=5))
 def test_every_permutation_of_required_votes_decides_the_same(votes):
-    outcomes = {repr(_outcome(p, "fix")) for p in itertools.islice(itertools.permutations(votes), 24)}
+    outcomes = {
+        repr(_outcome(p, "fix")) for p in itertools.islice(itertools.permutations(votes), 24)
+    }
     assert len(outcomes) == 1
 
 
-R3 = Vote(USE_REENTRANT, True, REQUIRED, "R3", "zero-3 partitioned params", plugin="deepspeed", avoids=CRASH)
+R3 = Vote(
+    USE_REENTRANT,
+    True,
+    REQUIRED,
+    "R3",
+    "zero-3 partitioned params",
+    plugin="deepspeed",
+    avoids=CRASH,
+)
 R4 = Vote(USE_REENTRANT, False, REQUIRED, "R4", "ddp unused params", plugin="ddp", avoids=CRASH)
 
 
@@ -92,10 +112,15 @@ def test_a_tie_on_a_knob_without_a_recommended_value_goes_to_the_lowest_rule_id(
     b = Vote(INPUT_GRADS_HOOK, True, REQUIRED, "B2", "b", avoids=NO_MEMORY_SAVED)
     for order in ([a, b], [b, a]):
         decision = resolve(order, "fix")
-        assert decision.values[INPUT_GRADS_HOOK] is True and "lowest rule id (B2)" in decision.conflicts[0]
+        assert (
+            decision.values[INPUT_GRADS_HOOK] is True
+            and "lowest rule id (B2)" in decision.conflicts[0]
+        )
 
 
 def test_recommendations_that_disagree_do_not_depend_on_plugin_order():
     a2 = Vote(USE_REENTRANT, True, RECOMMENDED, "A2", "axolotl")
     t1 = Vote(USE_REENTRANT, False, RECOMMENDED, "T1", "trl")
-    assert resolve([a2, t1], "fix").values == resolve([t1, a2], "fix").values == {USE_REENTRANT: False}
+    assert (
+        resolve([a2, t1], "fix").values == resolve([t1, a2], "fix").values == {USE_REENTRANT: False}
+    )

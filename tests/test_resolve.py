@@ -1,4 +1,5 @@
 """The resolver's stance, on votes built by hand: strengths, modes, conflicts."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,11 +39,17 @@ def test_a_recommendation_overruled_by_the_user_is_told_only_when_it_names_a_cos
     user_false = Vote(USE_REENTRANT, False, USER, "USER", "asked")
     quiet = resolve([DEFAULT_FALSE, A2, user_false], "fix")
     assert quiet.values[USE_REENTRANT] is False and quiet.warnings == []
-    costly = Vote(USE_REENTRANT, False, RECOMMENDED, "F2", "fsdp", kept_cost="an extra all-gather per unit")
+    costly = Vote(
+        USE_REENTRANT, False, RECOMMENDED, "F2", "fsdp", kept_cost="an extra all-gather per unit"
+    )
     told = resolve([DEFAULT_FALSE, costly, USER_TRUE], "fix")
     assert told.values[USE_REENTRANT] is True and told.winners[USE_REENTRANT].rule == "USER"
-    assert told.warnings == ["F2: your use_reentrant=True is kept (it is correct); an extra all-gather per unit"]
-    assert resolve([DEFAULT_FALSE, costly], "fix").warnings == []  # no ask: the recommendation applies
+    assert told.warnings == [
+        "F2: your use_reentrant=True is kept (it is correct); an extra all-gather per unit"
+    ]
+    assert (
+        resolve([DEFAULT_FALSE, costly], "fix").warnings == []
+    )  # no ask: the recommendation applies
 
 
 def test_fix_mode_applies_required_over_user_and_warns():

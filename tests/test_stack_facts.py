@@ -2,6 +2,7 @@
 transformers uses: a stack of GradientCheckpointingLayer blocks under a runner, a legacy runner
 that carries the `gradient_checkpointing` flag itself (transformers < 4.52, ColossalAI's
 shardformer), two towers, an encoder feeding a decoder, and ZeRO-3-partitioned sizes."""
+
 from __future__ import annotations
 
 import pytest
@@ -69,7 +70,9 @@ def test_each_tower_is_a_stack_run_by_its_own_module():
 
 def test_a_parameter_frozen_by_construction_does_not_starve_a_stack():
     facts = by_stack(TwoTowers())  # `fixed` is frozen, the embeddings train (Whisper's layout)
-    assert all(s["inputs_can_require_grad"] and s["trainable_in_blocks"] for s in facts.values()), facts
+    assert all(s["inputs_can_require_grad"] and s["trainable_in_blocks"] for s in facts.values()), (
+        facts
+    )
 
 
 def test_a_frozen_front_starves_only_its_own_tower():
@@ -84,15 +87,21 @@ def test_a_frozen_front_starves_only_its_own_tower():
 
 def test_legacy_runner_blocks_are_its_module_list():
     model = LegacyTop()
-    assert [(n, o is model.model, len(b)) for n, o, b in checkpoint_stacks(model)] == [("model.layers", True, 3)]
-    assert by_stack(model)["model.layers"]["inputs_can_require_grad"] is True  # all trainable: no R1
+    assert [(n, o is model.model, len(b)) for n, o, b in checkpoint_stacks(model)] == [
+        ("model.layers", True, 3)
+    ]
+    assert (
+        by_stack(model)["model.layers"]["inputs_can_require_grad"] is True
+    )  # all trainable: no R1
     freeze(model.model.embed)
     assert by_stack(model)["model.layers"]["inputs_can_require_grad"] is False
 
 
 def test_zero3_partitioned_sizes_count_ds_numel():
     model = TwoTowers()
-    for p in model.parameters():  # what deepspeed.zero.Init leaves: empty data, the size in ds_numel
+    for (
+        p
+    ) in model.parameters():  # what deepspeed.zero.Init leaves: empty data, the size in ds_numel
         p.ds_numel = p.numel()
         p.data = torch.empty(0)
     facts = by_stack(model)

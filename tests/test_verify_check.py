@@ -1,13 +1,14 @@
 """gcpatch.verify in a fresh interpreter on real tiny models: what it measures (a double
 recompute, a lost gradient), and what it leaves behind (nothing: hooks, swapped checkpoint
 functions, `.grad` objects and the RNG stream are as they were; it runs once per model)."""
+
 from __future__ import annotations
 
 from importlib import metadata
 
 import pytest
-from packaging.version import Version
 from harness import result_of, run_python
+from packaging.version import Version
 from subproc import requires_transformers
 
 try:
@@ -36,7 +37,9 @@ def root_pre_hooks(model):
 
 
 def test_check_leaves_grads_rng_hooks_and_checkpoint_functions_as_they_were(tmp_path):
-    code = MODEL + """
+    code = (
+        MODEL
+        + """
 from gcpatch import verify
 model = llama()
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -52,23 +55,32 @@ print("RESULT " + json.dumps({
     "rng_same": torch.equal(torch.get_rng_state(), rng), "match": rep.gradients_match, "rows": rep.rows,
     "blocks": rep.blocks, "saved": rep.saved_fraction, "tensors": rep.tensors}))
 """
+    )
     r = result_of(run_python(code, tmp_path, GCPATCH="0"))
     assert r["same_grad_objects"] and r["same_grad_values"] and r["same_funcs"] and r["rng_same"], r
     assert r["hooks_after"] == r["hooks_before"], r
     assert r["match"] and r["rows"] == 2 and r["tensors"] == 21
-    assert r["blocks"] == {"model.layers.0": {"forward": 1, "backward": 1},
-                           "model.layers.1": {"forward": 1, "backward": 1}}
+    assert r["blocks"] == {
+        "model.layers.0": {"forward": 1, "backward": 1},
+        "model.layers.1": {"forward": 1, "backward": 1},
+    }
     assert r["saved"] > 0.6
 
 
-@pytest.mark.skipif(_TRANSFORMERS < Version("4.52"), reason=(
-    "before transformers 4.52 the loop owner checkpoints the layer it is handed, here FSDP's wrapper: the "
-    "reentrant wrapper then nests inside transformers' non-reentrant checkpoint and each block runs once"))
+@pytest.mark.skipif(
+    _TRANSFORMERS < Version("4.52"),
+    reason=(
+        "before transformers 4.52 the loop owner checkpoints the layer it is handed, here FSDP's wrapper: the "
+        "reentrant wrapper then nests inside transformers' non-reentrant checkpoint and each block runs once"
+    ),
+)
 def test_double_recompute_from_two_tools_is_reported(tmp_path):
     """transformers' checkpointing plus torch's reentrant checkpoint_wrapper (what FSDP/accelerate
     apply) around the same decoder layers: each block runs twice in the backward. (Two
     non-reentrant checkpoints nest without a second recompute.)"""
-    code = MODEL + """
+    code = (
+        MODEL
+        + """
 import functools
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
@@ -82,6 +94,7 @@ rep = verify.check(model, (), {"input_ids": ids, "labels": ids})
 print("RESULT " + json.dumps({"blocks": rep.blocks, "problems": rep.problems(), "line": rep.line(),
                               "match": rep.gradients_match}))
 """
+    )
     r = result_of(run_python(code, tmp_path, GCPATCH="0"))
     assert r["match"], r  # still exact, only slower
     assert sorted(runs["backward"] for runs in r["blocks"].values()) == [2, 2], r["blocks"]
@@ -90,7 +103,9 @@ print("RESULT " + json.dumps({"blocks": rep.blocks, "problems": rep.problems(), 
 
 
 def test_armed_verify_runs_once_at_the_first_training_forward_then_is_gone(tmp_path):
-    code = MODEL + """
+    code = (
+        MODEL
+        + """
 import gcpatch
 model = llama()
 model.gradient_checkpointing_enable()
@@ -105,6 +120,7 @@ verified = [e for e in gcpatch.decisions() if e.get("stage") == "verify"]
 print("RESULT " + json.dumps({"waiting": waiting, "verified": len(verified), "hooks_armed": h_armed,
                               "hooks_after": root_pre_hooks(model), "match": verified[0]["verify"]["gradients_match"]}))
 """
+    )
     r = result_of(run_python(code, tmp_path, GCPATCH="1", GCPATCH_VERIFY="1"))
     assert r["waiting"] == 0 and r["verified"] == 1 and r["match"], r
     # armed: verify's hook on the model (R5's first-forward hook sits on the stack's runner); gone after step one
@@ -112,7 +128,9 @@ print("RESULT " + json.dumps({"waiting": waiting, "verified": len(verified), "ho
 
 
 def test_verify_off_by_default_arms_nothing(tmp_path):
-    code = MODEL + """
+    code = (
+        MODEL
+        + """
 import gcpatch
 model = llama()
 model.gradient_checkpointing_enable()
@@ -121,8 +139,12 @@ model(input_ids=ids, labels=ids).loss.backward()
 print("RESULT " + json.dumps({"hooks_armed": armed,
                               "verified": len([e for e in gcpatch.decisions() if e.get("stage") == "verify"])}))
 """
+    )
     r = result_of(run_python(code, tmp_path, GCPATCH="1"))
-    assert r == {"hooks_armed": [], "verified": 0}  # nothing on the model (R5's hook sits on the stack's runner)
+    assert r == {
+        "hooks_armed": [],
+        "verified": 0,
+    }  # nothing on the model (R5's hook sits on the stack's runner)
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("", False)])

@@ -5,6 +5,7 @@ A plugin declares the range it can work in (`versions`: outside it, skipped) and
 version matrix proves (`proven`: outside it the plugin still runs, fail-open, and gcpatch says once
 "untested <framework> <version>"); `gcpatch doctor` shows both against the installed version.
 """
+
 from __future__ import annotations
 
 import textwrap
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from harness import result_of, run_python
 
-PLUGIN = '''
+PLUGIN = """
 from gcpatch.hookspecs import hookimpl
 from gcpatch.schema import PatchPoint, PluginInfo
 
@@ -38,7 +39,7 @@ def gcpatch_vote(facts):
 def _enable(wrapped, instance, args, kwargs):
     instance.seen_by_gcpatch = True
     return wrapped(*args, **kwargs)
-'''
+"""
 
 
 def stub_site(root: Path, version: str) -> Path:
@@ -47,14 +48,17 @@ def stub_site(root: Path, version: str) -> Path:
     site = root / f"site-{version}"
     (site / "stubfw").mkdir(parents=True)
     (site / "stubfw" / "__init__.py").write_text(
-        "class Model:\n    def enable(self):\n        return 'enabled'\n")
+        "class Model:\n    def enable(self):\n        return 'enabled'\n"
+    )
     info = site / f"stubfw-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: stubfw\nVersion: {version}\n")
     (site / "stub_gcpatch.py").write_text(PLUGIN)
     plugin_info = site / "stub_gcpatch-0.1.dist-info"
     plugin_info.mkdir()
-    (plugin_info / "METADATA").write_text("Metadata-Version: 2.1\nName: stub-gcpatch\nVersion: 0.1\n")
+    (plugin_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: stub-gcpatch\nVersion: 0.1\n"
+    )
     (plugin_info / "entry_points.txt").write_text("[gcpatch.plugins]\nstub = stub_gcpatch\n")
     return site
 
@@ -73,14 +77,19 @@ print("RESULT " + json.dumps({"state": status.state, "untested": status.untested
 """
 
 
-@pytest.mark.parametrize("version, state, untested", [
-    ("1.2", "active", False),   # proven
-    ("2.0", "active", True),    # supported, not proven: runs, says so once
-    ("3.1", "skipped", False),  # outside what the plugin can work with
-])
+@pytest.mark.parametrize(
+    "version, state, untested",
+    [
+        ("1.2", "active", False),  # proven
+        ("2.0", "active", True),  # supported, not proven: runs, says so once
+        ("3.1", "skipped", False),  # outside what the plugin can work with
+    ],
+)
 def test_plugin_range_proven_untested_and_unsupported(tmp_path, version, state, untested):
     site = stub_site(tmp_path, version)
-    proc = run_python(LOAD_TWICE, tmp_path, PYTHONPATH=str(site), GCPATCH_DISABLE_PLUGINS=_builtins())
+    proc = run_python(
+        LOAD_TWICE, tmp_path, PYTHONPATH=str(site), GCPATCH_DISABLE_PLUGINS=_builtins()
+    )
     result = result_of(proc)
     assert result["state"] == state, proc.stderr
     assert result["untested"] is untested
@@ -96,26 +105,42 @@ def test_plugin_range_proven_untested_and_unsupported(tmp_path, version, state, 
 def test_an_unsupported_release_is_said_once_per_job(tmp_path, rank, said):
     """Every rank loads the same plugins: local rank 0 says the skip, the others keep it at DEBUG."""
     site = stub_site(tmp_path, "3.1")
-    proc = run_python(LOAD_TWICE, tmp_path, PYTHONPATH=str(site), GCPATCH_DISABLE_PLUGINS=_builtins(),
-                      LOCAL_RANK=rank)
+    proc = run_python(
+        LOAD_TWICE,
+        tmp_path,
+        PYTHONPATH=str(site),
+        GCPATCH_DISABLE_PLUGINS=_builtins(),
+        LOCAL_RANK=rank,
+    )
     assert result_of(proc)["state"] == "skipped"
-    assert proc.stderr.count("stubfw 3.1 is outside the supported range >=1,<3") == said, proc.stderr
+    assert proc.stderr.count("stubfw 3.1 is outside the supported range >=1,<3") == said, (
+        proc.stderr
+    )
 
 
 def test_doctor_shows_proven_range_against_the_installed_version(tmp_path):
     site = stub_site(tmp_path, "2.0")
-    proc = run_python("from gcpatch.cli import main; raise SystemExit(main(['doctor']))", tmp_path,
-                      PYTHONPATH=str(site), GCPATCH_DISABLE_PLUGINS=_builtins())
+    proc = run_python(
+        "from gcpatch.cli import main; raise SystemExit(main(['doctor']))",
+        tmp_path,
+        PYTHONPATH=str(site),
+        GCPATCH_DISABLE_PLUGINS=_builtins(),
+    )
     assert proc.returncode == 0, proc.stderr
     line = next(line for line in proc.stdout.splitlines() if line.strip().startswith("stub:"))
-    assert line.strip() == "stub: active stubfw 2.0 (supports >=1,<3) proven >=1.0,<=1.5: UNTESTED release", line
+    assert (
+        line.strip()
+        == "stub: active stubfw 2.0 (supports >=1,<3) proven >=1.0,<=1.5: UNTESTED release"
+    ), line
     assert "stubfw.Model.enable: live" in proc.stdout
     assert proc.stderr.count("untested stubfw 2.0") == 1
 
 
 def test_doctor_without_any_framework_runs(tmp_path):
     """The engine starts and doctor prints on every claimed Python, frameworks or not."""
-    proc = run_python("from gcpatch.cli import main; raise SystemExit(main(['doctor', '--no-import']))", tmp_path)
+    proc = run_python(
+        "from gcpatch.cli import main; raise SystemExit(main(['doctor', '--no-import']))", tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert "plugins:" in proc.stdout and "Traceback" not in proc.stderr
 
@@ -127,12 +152,16 @@ def _builtins() -> str:
 
 def test_stub_site_is_a_real_distribution(tmp_path):
     site = stub_site(tmp_path, "1.2")
-    proc = run_python(textwrap.dedent("""
+    proc = run_python(
+        textwrap.dedent("""
         import json
         from importlib import metadata
         eps = [ep.name for ep in metadata.distribution("stub-gcpatch").entry_points]
         print("RESULT " + json.dumps([metadata.version("stubfw"), eps]))
-    """), tmp_path, PYTHONPATH=str(site))
+    """),
+        tmp_path,
+        PYTHONPATH=str(site),
+    )
     assert result_of(proc) == ["1.2", ["stub"]]
 
 

@@ -3,15 +3,15 @@ sys.path[0], `__main__`, output, exit status (SystemExit, an uncaught exception 
 sys.excepthook), and a timeout that stops the script and what it started. What differs is only
 that the frameworks are already imported, which the script sees in sys.modules. A small module stands
 in for the frameworks here (GCPATCH_TEST_WARM_PRELOAD), so that this runs anywhere and quickly."""
+
 from __future__ import annotations
 
 import sys
 import textwrap
 import time
 
-import pytest
-
 import harness
+import pytest
 import warm_starts
 
 SCRIPT = """\
@@ -67,13 +67,20 @@ def test_warm_run_sees_what_a_fresh_run_sees(tmp_path, served):
     assert w["record"] == str(tmp_path / "r2")  # a variable of the run, not of the warm interpreter
     assert "to stderr" in warm.stderr and "to stderr" not in warm.stdout
     assert (f["preloaded"], w["preloaded"]) == (False, True)  # the imports it saves
-    for proc in (fresh, warm):  # a program's end: threads joined, atexit run, its open files flushed
-        assert "THREAD JOINED" in proc.stderr and proc.stderr.index("THREAD JOINED") < proc.stderr.index("ATEXIT")
+    for proc in (
+        fresh,
+        warm,
+    ):  # a program's end: threads joined, atexit run, its open files flushed
+        assert "THREAD JOINED" in proc.stderr and proc.stderr.index(
+            "THREAD JOINED"
+        ) < proc.stderr.index("ATEXIT")
     assert (tmp_path / "work" / "left_open.txt").read_text() == "flushed at exit"
 
 
-@pytest.mark.parametrize("how, code, stderr", [("code", 3, "to stderr"), ("message", 1, "a message"),
-                                               ("raise", 1, "HOOK ValueError boom")])
+@pytest.mark.parametrize(
+    "how, code, stderr",
+    [("code", 3, "to stderr"), ("message", 1, "a message"), ("raise", 1, "HOOK ValueError boom")],
+)
 def test_exit_status_as_the_interpreter_gives_it(tmp_path, served, how, code, stderr):
     fresh, warm = run(tmp_path, how, warm=False), run(tmp_path, how)
     assert served() == 1
@@ -91,7 +98,9 @@ def test_environment_that_changes_imports_gets_its_own_warm_interpreter(tmp_path
     assert served() == 3
 
 
-def test_idle_warm_interpreters_beyond_the_cap_are_closed_and_their_runs_still_counted(tmp_path, monkeypatch):
+def test_idle_warm_interpreters_beyond_the_cap_are_closed_and_their_runs_still_counted(
+    tmp_path, monkeypatch
+):
     """Each holds hundreds of MB: the longest idle goes first; what it served still counts."""
     monkeypatch.setattr(warm_starts, "MAX_LIVE", 2)
     before = warm_starts.served()
@@ -104,31 +113,42 @@ def test_idle_warm_interpreters_beyond_the_cap_are_closed_and_their_runs_still_c
 def test_timeout_stops_the_script_and_what_it_started(tmp_path):
     path = tmp_path / "hang.py"
     pidfile = tmp_path / "grandchild.pid"
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         import subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         open({str(pidfile)!r}, "w").write(str(child.pid))
         print("started", flush=True)
         time.sleep(600)
-    """))
+    """)
+    )
     start = time.monotonic()
     env = harness.child_env(GCPATCH="0", GCPATCH_TEST_WARM_PRELOAD="wave")
     proc = harness.run([sys.executable, str(path)], tmp_path, env, 5, warm=True)
-    assert proc.returncode is None and "timed out after 5" in proc.stderr and "started" in proc.stdout
+    assert (
+        proc.returncode is None and "timed out after 5" in proc.stderr and "started" in proc.stdout
+    )
     assert time.monotonic() - start < 40
     grandchild = int(pidfile.read_text())
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and harness.Path(f"/proc/{grandchild}").exists() \
-            and "Z" not in harness.Path(f"/proc/{grandchild}/stat").read_text().split()[2]:
+    while (
+        time.monotonic() < deadline
+        and harness.Path(f"/proc/{grandchild}").exists()
+        and "Z" not in harness.Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+    ):
         time.sleep(0.2)
     stat = harness.Path(f"/proc/{grandchild}/stat")
-    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the grandchild outlived the timeout"
+    assert not stat.exists() or stat.read_text().split()[2] == "Z", (
+        "the grandchild outlived the timeout"
+    )
 
 
 def test_runs_it_cannot_serve_faithfully_start_fresh(tmp_path):
     probe = str(tmp_path / "p.py")
     assert warm_starts.servable([sys.executable, probe], {"GCPATCH": "1"})
-    assert not warm_starts.servable([sys.executable, probe], {})  # `import gcpatch` decides, in order
+    assert not warm_starts.servable(
+        [sys.executable, probe], {}
+    )  # `import gcpatch` decides, in order
     assert not warm_starts.servable([sys.executable, "-X", "importtime", probe], {"GCPATCH": "1"})
     assert not warm_starts.servable([sys.executable, "-m", "pdb", probe], {"GCPATCH": "1"})
     assert warm_starts.servable(harness.torchrun_argv(2, probe), {"GCPATCH": "1"})
@@ -152,20 +172,28 @@ def test_torchrun_ranks_start_warm_with_the_environment_torchrun_gives(tmp_path,
     path = tmp_path / "ranks.py"
     path.write_text('import sys\nPRELOADED = "wave" in sys.modules\n' + RANK_SCRIPT)
     env = harness.child_env(GCPATCH="0", GCPATCH_TEST_WARM_PRELOAD="wave")
-    fresh, warm = (harness.run(harness.torchrun_argv(2, str(path), how), tmp_path, env, 120, warm=w)
-                   for w in (False, True))
+    fresh, warm = (
+        harness.run(harness.torchrun_argv(2, str(path), how), tmp_path, env, 120, warm=w)
+        for w in (False, True)
+    )
     assert served() == 2
     for proc, preloaded in ((fresh, False), (warm, True)):
         results = sorted(harness.parse_results(proc.stdout), key=lambda r: r["rank"])
         assert [r["rank"] for r in results] == [0, 1], proc.stderr
-        assert all(r["preloaded"] is preloaded and r["world"] == "2" and r["run_id"] and r["argv"] == [how]
-                   for r in results)
+        assert all(
+            r["preloaded"] is preloaded and r["world"] == "2" and r["run_id"] and r["argv"] == [how]
+            for r in results
+        )
     # the same variables as a rank torchrun started itself: nothing of the warm start leaks into them
-    envs = [[r["env"] for r in sorted(harness.parse_results(proc.stdout), key=lambda r: r["rank"])]
-            for proc in (fresh, warm)]
+    envs = [
+        [r["env"] for r in sorted(harness.parse_results(proc.stdout), key=lambda r: r["rank"])]
+        for proc in (fresh, warm)
+    ]
     assert envs[0] and envs[0] == envs[1]
     assert (fresh.returncode == 0) is (warm.returncode == 0) is (how == "ok")
     if how != "ok":  # torchrun names the failed rank and its exit code, -6 for SIGABRT
         code = "3" if how == "fail" else "-6"
         for proc in (fresh, warm):
-            assert f"exitcode  : {code}" in proc.stderr and "rank      : 1" in proc.stderr, proc.stderr[-3000:]
+            assert f"exitcode  : {code}" in proc.stderr and "rank      : 1" in proc.stderr, (
+                proc.stderr[-3000:]
+            )

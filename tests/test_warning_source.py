@@ -1,5 +1,6 @@
 """Warnings a framework raises inside a call gcpatch wraps name the caller the framework meant:
 DDP's deprecated `broadcast_buffers` (stacklevel=2) names the user's line, never gcpatch."""
+
 from __future__ import annotations
 
 import socket
@@ -28,10 +29,23 @@ def _port() -> str:
 
 
 def _sources(tmp_path, gcpatch):
-    caught = result_of(run_python(SCRIPT, tmp_path, GCPATCH=gcpatch, MASTER_ADDR="127.0.0.1", MASTER_PORT=_port(),
-                                  PYTHONWARNINGS="default"))
-    return {(file if file == "<string>" else file.rsplit("/", 2)[-2] + "/" + file.rsplit("/", 1)[-1], line)
-            for file, line, _ in caught}, caught
+    caught = result_of(
+        run_python(
+            SCRIPT,
+            tmp_path,
+            GCPATCH=gcpatch,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=_port(),
+            PYTHONWARNINGS="default",
+        )
+    )
+    return {
+        (
+            file if file == "<string>" else file.rsplit("/", 2)[-2] + "/" + file.rsplit("/", 1)[-1],
+            line,
+        )
+        for file, line, _ in caught
+    }, caught
 
 
 def test_framework_warnings_name_the_same_source_with_and_without_gcpatch(tmp_path):
@@ -41,5 +55,8 @@ def test_framework_warnings_name_the_same_source_with_and_without_gcpatch(tmp_pa
     assert ours == plain, caught
     # by the folder the file lies in, not a search of the whole path: a checkout in a folder named
     # gcpatch (git's default) holds the test envs' torch too
-    assert not any(place.split("/")[0] in ("gcpatch", "gcpatch_plugins") or place.endswith("_gcpatch_startup.py")
-                   for place, _ in ours), caught
+    assert not any(
+        place.split("/")[0] in ("gcpatch", "gcpatch_plugins")
+        or place.endswith("_gcpatch_startup.py")
+        for place, _ in ours
+    ), caught

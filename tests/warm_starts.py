@@ -15,6 +15,7 @@ agrees with it in all but `PER_RUN`. Runs it cannot serve as faithfully start fr
 interpreter flags, a run without GCPATCH in its environment (a script that activates gcpatch itself by
 `import gcpatch`, where the import order is the subject). GCPATCH_TEST_WARM=0 starts every run fresh.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -40,12 +41,24 @@ TORCHRUN = ("-m", "torch.distributed.run")
 # verify, planner; at import gcpatch uses only GCPATCH, GCPATCH_MODE and GCPATCH_DISABLE_PLUGINS,
 # engine.arm) and the rendezvous port (init_process_group). Runs that differ only in these share a warm
 # interpreter, whose environment lacks them.
-PER_RUN = frozenset({"GCPATCH_RECORD", "GCPATCH_VERIFY", "GCPATCH_MEMORY_BUDGET", "GCPATCH_LOCAL_PLUGINS",
-                     "MASTER_PORT"})
+PER_RUN = frozenset(
+    {
+        "GCPATCH_RECORD",
+        "GCPATCH_VERIFY",
+        "GCPATCH_MEMORY_BUDGET",
+        "GCPATCH_LOCAL_PLUGINS",
+        "MASTER_PORT",
+    }
+)
 
 
 def enabled() -> bool:
-    return os.environ.get("GCPATCH_TEST_WARM", "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get("GCPATCH_TEST_WARM", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
 
 
 def _script_at(argv: list[str]) -> int | None:
@@ -58,7 +71,9 @@ def _script_at(argv: list[str]) -> int | None:
         at = 3
         while at < len(argv) and argv[at].startswith("--") and "=" in argv[at]:
             at += 1
-    return at if at < len(argv) and argv[at].endswith(".py") and not argv[at].startswith("-") else None
+    return (
+        at if at < len(argv) and argv[at].endswith(".py") and not argv[at].startswith("-") else None
+    )
 
 
 def under_torchrun(argv: list[str]) -> bool:
@@ -79,8 +94,14 @@ class WarmInterpreter:
         self.socket = str(self.home / "socket")
         self.log = self.home / "server.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, str(SERVER), self.socket], cwd=self.home, env=env,
-                                         stdin=subprocess.PIPE, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(SERVER), self.socket],
+                cwd=self.home,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=log,
+            )
         self.users = 0  # runs holding it now (it is never closed under them)
         self.last_used = time.monotonic()
 
@@ -143,8 +164,10 @@ def _lease(env: dict[str, str]) -> Iterator[WarmInterpreter]:
     with _servers_lock:
         server = _servers.get(key)
         if server is not None and server.proc.poll() is not None:
-            sys.stderr.write(f"warm start: a warm interpreter ended ({server.proc.returncode}); its log: "
-                             f"{server.log}\n")
+            sys.stderr.write(
+                f"warm start: a warm interpreter ended ({server.proc.returncode}); its log: "
+                f"{server.log}\n"
+            )
             del _servers[key]
             server = None
         if server is None:
@@ -167,11 +190,25 @@ def torchrun_launch(argv: list[str], env: dict[str, str]) -> Iterator[list[str]]
     at = _script_at(argv)
     assert at is not None and at > 1
     with _lease(env) as server:
-        yield [*argv[:at], "--no-python", sys.executable, "-u", str(RANK), server.socket, *argv[at:]]
+        yield [
+            *argv[:at],
+            "--no-python",
+            sys.executable,
+            "-u",
+            str(RANK),
+            server.socket,
+            *argv[at:],
+        ]
 
 
-def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
-        kill: Callable[[int], None], mark: Mapping[str, str]) -> subprocess.CompletedProcess | None:
+def run(
+    argv: list[str],
+    cwd: Path | str,
+    env: dict[str, str],
+    timeout: float,
+    kill: Callable[[int], None],
+    mark: Mapping[str, str],
+) -> subprocess.CompletedProcess | None:
     """Run `python script.py ...` in a child of a warm interpreter; None when none could take it
     (the caller then starts it fresh). `mark`: variables of this child alone (the harness's kill
     token), not of the interpreter that serves it. On a timeout `kill(pid)` stops the child and what
@@ -180,17 +217,27 @@ def run(argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
         return _run_in(server, argv, cwd, {**env, **mark}, timeout, kill)
 
 
-def _run_in(server: WarmInterpreter, argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float,
-            kill: Callable[[int], None]) -> subprocess.CompletedProcess | None:
+def _run_in(
+    server: WarmInterpreter,
+    argv: list[str],
+    cwd: Path | str,
+    env: dict[str, str],
+    timeout: float,
+    kill: Callable[[int], None],
+) -> subprocess.CompletedProcess | None:
     conn = server.connect(time.monotonic() + 120)
     if conn is None:
-        sys.stderr.write(f"warm start: no warm interpreter for {argv[1]}, started fresh; its log: {server.log}\n")
+        sys.stderr.write(
+            f"warm start: no warm interpreter for {argv[1]}, started fresh; its log: {server.log}\n"
+        )
         return None
     with conn, tempfile.TemporaryDirectory(prefix="gcpatch-warm-run-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         with open(os.devnull, "rb") as null, open(out, "wb") as o, open(err, "wb") as e:
             request = {"argv": argv, "cwd": str(cwd), "env": env, "unbuffered": False}
-            socket.send_fds(conn, [json.dumps(request).encode()], [null.fileno(), o.fileno(), e.fileno()])
+            socket.send_fds(
+                conn, [json.dumps(request).encode()], [null.fileno(), o.fileno(), e.fileno()]
+            )
         answers = conn.makefile("rb")
         deadline = time.monotonic() + timeout
         code, pid, note = None, None, ""
@@ -207,7 +254,9 @@ def _run_in(server: WarmInterpreter, argv: list[str], cwd: Path | str, env: dict
                 note = f"\n[the warm interpreter ended during the run; its log: {server.log}]"
         except (TimeoutError, socket.timeout):
             if pid is not None:
-                kill(pid)  # the server also stops the child's process group once this connection closes
+                kill(
+                    pid
+                )  # the server also stops the child's process group once this connection closes
             note = f"\n[timed out after {timeout}s]"
         stdout = out.read_text(errors="replace")
         stderr = err.read_text(errors="replace")
@@ -223,7 +272,11 @@ def served() -> int:
 def summary() -> str:
     """How many runs were served warm, for the session's end."""
     count = served()
-    return f"warm starts: {count} runs served by {_counts['started']} warm interpreters" if count else ""
+    return (
+        f"warm starts: {count} runs served by {_counts['started']} warm interpreters"
+        if count
+        else ""
+    )
 
 
 @atexit.register

@@ -1,5 +1,6 @@
 """A project's helper module that builds its checkpoint function once, at import: a partial of
 torch's checkpoint made before `import gcpatch` runs (ordinary user code)."""
+
 import functools
 
 import torch.utils.checkpoint

@@ -3,6 +3,7 @@
 Every model is built from a fresh config object (gcpatch's R6 sets `config.use_cache=False` on
 the config it is handed), from a fixed seed, so two builds give identical weights.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,8 +21,15 @@ def llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -29,8 +37,16 @@ def gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
-                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=4,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -47,8 +63,16 @@ def lora(model, seed: int = 123):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+        ),
+    )
 
 
 def trained_lora_b(model, seed: int = 7) -> None:
@@ -96,8 +120,11 @@ class Batch(torch.utils.data.Dataset):
 
 
 def trainable_grads(model) -> dict[str, torch.Tensor | None]:
-    return {name: (None if p.grad is None else p.grad.detach().clone())
-            for name, p in model.named_parameters() if p.requires_grad}
+    return {
+        name: (None if p.grad is None else p.grad.detach().clone())
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def compare_grads(got: dict, ref: dict, atol: float = 1e-5) -> dict:
@@ -105,11 +132,20 @@ def compare_grads(got: dict, ref: dict, atol: float = 1e-5) -> dict:
     assert got.keys() == ref.keys(), (sorted(got), sorted(ref))
     none = sorted(n for n, g in got.items() if g is None)
     ref_none = sorted(n for n, g in ref.items() if g is None)
-    differ = sorted(n for n, g in got.items()
-                    if g is not None and ref[n] is not None and not torch.allclose(g, ref[n], atol=atol, rtol=0))
+    differ = sorted(
+        n
+        for n, g in got.items()
+        if g is not None and ref[n] is not None and not torch.allclose(g, ref[n], atol=atol, rtol=0)
+    )
     wrong = sorted(set(none) | set(differ) | {n for n in ref_none if got[n] is not None})
-    return {"trainable": len(got), "wrong": len(wrong), "grad_none": len(none), "grad_differ": len(differ),
-            "ref_grad_none": len(ref_none), "wrong_names": wrong}
+    return {
+        "trainable": len(got),
+        "wrong": len(wrong),
+        "grad_none": len(none),
+        "grad_differ": len(differ),
+        "ref_grad_none": len(ref_none),
+        "wrong_names": wrong,
+    }
 
 
 def checkpoint_use_reentrant(model):
@@ -157,8 +193,10 @@ def gcpatch_seen() -> dict:
     """Whether gcpatch is loaded in this interpreter (by the start-up hook, never by this script)
     and from where, so a test can prove it exercised the installed copy."""
     module = sys.modules.get("gcpatch")
-    return {"gcpatch_loaded": module is not None,
-            "gcpatch_file": getattr(module, "__file__", None) if module is not None else None}
+    return {
+        "gcpatch_loaded": module is not None,
+        "gcpatch_file": getattr(module, "__file__", None) if module is not None else None,
+    }
 
 
 def versions() -> dict:

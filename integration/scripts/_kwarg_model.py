@@ -5,6 +5,7 @@ keyword. transformers documents that reentrant checkpointing then sees no tensor
 gradient, silently. gcpatch has no rule for it (the model is not partially frozen), so with
 use_reentrant=True the gradients stay wrong: verify mode is what shows it. Ordinary user code.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,10 +18,21 @@ from transformers.modeling_outputs import CausalLMOutput
 class KwargConfig(PretrainedConfig):
     model_type = "kwarg_blocks"
 
-    def __init__(self, vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 3, dropout: float = 0.1,
-                 **kwargs) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        hidden_size: int = 32,
+        num_layers: int = 3,
+        dropout: float = 0.1,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
-        self.vocab_size, self.hidden_size, self.num_layers, self.dropout = vocab_size, hidden_size, num_layers, dropout
+        self.vocab_size, self.hidden_size, self.num_layers, self.dropout = (
+            vocab_size,
+            hidden_size,
+            num_layers,
+            dropout,
+        )
 
 
 class KwargBlock(GradientCheckpointingLayer):
@@ -49,10 +61,14 @@ class KwargModel(PreTrainedModel):
     def get_input_embeddings(self) -> nn.Module:
         return self.embed
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs
+    ) -> CausalLMOutput:
         hidden = self.embed(input_ids)
         for block in self.blocks:
-            hidden = block(hidden_states=hidden)  # by keyword: what reentrant checkpointing cannot see
+            hidden = block(
+                hidden_states=hidden
+            )  # by keyword: what reentrant checkpointing cannot see
         logits = self.head(hidden)
         loss = None
         if labels is not None:

@@ -9,14 +9,13 @@ $GRAD_DUMP (JSON), with what the model looked like then: the use_reentrant its c
 call torch.utils.checkpoint with, and whether gcpatch was loaded in this process (by the start-up
 hook: nothing here imports gcpatch). Ordinary user code.
 """
+
 import json
 import os
 
-from transformers import TrainerCallback
-
-from axolotl.integrations.base import BasePlugin
-
 import _common as c
+from axolotl.integrations.base import BasePlugin
+from transformers import TrainerCallback
 
 
 def kbit_prep() -> dict:

@@ -18,18 +18,18 @@ prebound        a `functools.partial(torch.utils.checkpoint.checkpoint, use_reen
                 helper module imported before `import gcpatch` (--import-gcpatch), used by a hand-written
                 loop whose first block gets no grad-requiring input
 """
+
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bound_helper  # noqa: E402,F401  (builds its partial of torch's checkpoint now, before any gcpatch import)
-from _common import emit  # noqa: E402
 import torch  # noqa: E402
+from _common import emit  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import PretrainedConfig, PreTrainedModel  # noqa: E402
 from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
@@ -37,7 +37,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E40
 parser = argparse.ArgumentParser()
 parser.add_argument("--cases", required=True)
 parser.add_argument("--reentrant", choices=("true", "false", "unset"), default="true")
-parser.add_argument("--import-gcpatch", action="store_true", help="an explicit `import gcpatch` after the helpers")
+parser.add_argument(
+    "--import-gcpatch", action="store_true", help="an explicit `import gcpatch` after the helpers"
+)
 args = parser.parse_args()
 if args.import_gcpatch:
     import gcpatch  # noqa: F401
@@ -86,7 +88,9 @@ class BoundModel(PreTrainedModel):
         h = self.emb(input_ids)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                h = self._gradient_checkpointing_func(functools.partial(layer.__call__, self.scale * 1.0, hidden_states=h))
+                h = self._gradient_checkpointing_func(
+                    functools.partial(layer.__call__, self.scale * 1.0, hidden_states=h)
+                )
             else:
                 h = layer(self.scale * 1.0, hidden_states=h)
         return self.head(h)
@@ -151,7 +155,9 @@ class CrossModel(PreTrainedModel):
         self.emb = nn.Embedding(VOCAB, DIM)
         self.vision = nn.Linear(DIM, DIM)
         self.projector = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList(CrossLayer(i in config.cross_layers) for i in range(config.layers))
+        self.layers = nn.ModuleList(
+            CrossLayer(i in config.cross_layers) for i in range(config.layers)
+        )
         self.head = nn.Linear(DIM, VOCAB)
         self.post_init()
 
@@ -218,8 +224,11 @@ def loss_of(model, inputs: dict, checkpointing: bool, case: str):
 
 
 def grads(model) -> dict:
-    return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()
-            if p.requires_grad}
+    return {
+        n: (None if p.grad is None else p.grad.detach().clone())
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def step(case: str, checkpointing: bool) -> tuple[dict | None, str | None, list]:
@@ -237,13 +246,21 @@ def step(case: str, checkpointing: bool) -> tuple[dict | None, str | None, list]
         else:
             loss.backward()
     except Exception as exc:  # noqa: BLE001 (the figure is the error itself, and any note on it)
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}", list(getattr(exc, "__notes__", []))
+        return (
+            None,
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}",
+            list(getattr(exc, "__notes__", [])),
+        )
     return grads(model), None, []
 
 
 def compare(got: dict, ref: dict) -> list[str]:
-    return sorted(n for n in ref if (got[n] is None) != (ref[n] is None)
-                  or (got[n] is not None and not torch.allclose(got[n], ref[n], atol=1e-6, rtol=1e-5)))
+    return sorted(
+        n
+        for n in ref
+        if (got[n] is None) != (ref[n] is None)
+        or (got[n] is not None and not torch.allclose(got[n], ref[n], atol=1e-6, rtol=1e-5))
+    )
 
 
 result = {}
@@ -252,6 +269,11 @@ for case in args.cases.split(","):
     assert ref_error is None, ref_error
     got, error, notes = step(case, checkpointing=True)
     wrong = compare(got, ref) if got is not None else None
-    result[case] = {"trainable": len(ref), "wrong": None if wrong is None else len(wrong),
-                    "wrong_names": wrong, "error": error, "notes": notes}
+    result[case] = {
+        "trainable": len(ref),
+        "wrong": None if wrong is None else len(wrong),
+        "wrong_names": wrong,
+        "error": error,
+        "notes": notes,
+    }
 emit(result)

@@ -7,15 +7,15 @@ compared rank by rank with the same run without gcpatch.
 
 usage: python -m torch.distributed.run --nproc_per_node=2 budget_ddp.py
 """
+
 import os
 import warnings
 
+import _common as c
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-import _common as c
 from budget_train import BATCH, SEQ, HeldBytes, Recomputes, decoder_layers, digest, llama
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,9 +40,19 @@ def main() -> None:
     loss.backward()
     grads = digest(p.grad for p in model.parameters())
     opt.step()
-    c.emit({"scenario": "budget_ddp", "rank": rank, "world": dist.get_world_size(), "held_bytes": nbytes,
-            "recomputed": counter.count, "flags": [bool(m.gradient_checkpointing) for m in decoder_layers(model)],
-            "first_step_grads": grads, "params_after": digest(model.parameters()), "rng_after": torch.rand(2).tolist()})
+    c.emit(
+        {
+            "scenario": "budget_ddp",
+            "rank": rank,
+            "world": dist.get_world_size(),
+            "held_bytes": nbytes,
+            "recomputed": counter.count,
+            "flags": [bool(m.gradient_checkpointing) for m in decoder_layers(model)],
+            "first_step_grads": grads,
+            "params_after": digest(model.parameters()),
+            "rng_after": torch.rand(2).tolist(),
+        }
+    )
     dist.barrier()
     c.end_ranks()
 

@@ -13,17 +13,17 @@ usage: budget_train.py --setup loop|trainer|lora --budgets 0.6,0.25,0.01[,unset]
   unset:   the budget variable removed (checkpointing as without it)
 prints one line: RESULT {json}
 """
+
 import argparse
 import hashlib
 import os
 import tempfile
 import warnings
 
+import _common as c
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-
-import _common as c
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BATCH, SEQ, LAYERS = 2, 64, 8
@@ -38,7 +38,9 @@ class HeldBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in _flat((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage()._cdata for t in _flat((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         for t in _flat(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
                 s = t.untyped_storage()
@@ -64,9 +66,19 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=c.VOCAB, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                        attention_dropout=0.1, tie_word_embeddings=False, use_cache=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=c.VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_dropout=0.1,
+            tie_word_embeddings=False,
+            use_cache=False,
+        )
+    )
 
 
 class Recomputes:
@@ -90,7 +102,11 @@ def decoder_layers(model):
 def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(b"none" if t is None else t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(
+            b"none"
+            if t is None
+            else t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
     return h.hexdigest()[:16]
 
 
@@ -135,10 +151,22 @@ def trainer_step(budget):
     counter = Recomputes(model)
     probe = c.FirstStepProbe(model)
     out = tempfile.mkdtemp(prefix="budget-trainer-")
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH, max_steps=1, report_to=[],
-                             gradient_checkpointing=budget is not None, save_strategy="no", max_grad_norm=0.0,
-                             use_cpu=True, logging_strategy="no", seed=11, disable_tqdm=True)
-    MeasuringTrainer(model=model, args=args, train_dataset=c.Batch(ids()), optimizers=(probe, None)).train()
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=BATCH,
+        max_steps=1,
+        report_to=[],
+        gradient_checkpointing=budget is not None,
+        save_strategy="no",
+        max_grad_norm=0.0,
+        use_cpu=True,
+        logging_strategy="no",
+        seed=11,
+        disable_tqdm=True,
+    )
+    MeasuringTrainer(
+        model=model, args=args, train_dataset=c.Batch(ids()), optimizers=(probe, None)
+    ).train()
     return model, held[0], counter.count, probe.grads, torch.rand(2).tolist()
 
 
@@ -160,14 +188,35 @@ def main() -> None:
             os.environ["GCPATCH_MEMORY_BUDGET"] = budget
         model, nbytes, recomputed, grads, rng_after = step(budget)
         compared = c.compare_grads(grads, ref_grads, atol=0.0)
-        diff = max((float((g - ref_grads[n]).abs().max()) for n, g in grads.items() if g is not None), default=0.0)
-        cases[budget] = {"held_bytes": nbytes, "fraction": nbytes / ref_bytes, "recomputed": recomputed,
-                         "flags": [bool(getattr(m, "gradient_checkpointing", False)) for m in decoder_layers(model)],
-                         "wrong": compared["wrong"], "grad_none": compared["grad_none"], "max_abs_diff": diff,
-                         "trainable": compared["trainable"], "grads": digest(grads.values()), "rng_after": rng_after}
+        diff = max(
+            (float((g - ref_grads[n]).abs().max()) for n, g in grads.items() if g is not None),
+            default=0.0,
+        )
+        cases[budget] = {
+            "held_bytes": nbytes,
+            "fraction": nbytes / ref_bytes,
+            "recomputed": recomputed,
+            "flags": [
+                bool(getattr(m, "gradient_checkpointing", False)) for m in decoder_layers(model)
+            ],
+            "wrong": compared["wrong"],
+            "grad_none": compared["grad_none"],
+            "max_abs_diff": diff,
+            "trainable": compared["trainable"],
+            "grads": digest(grads.values()),
+            "rng_after": rng_after,
+        }
     os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
-    c.emit({"scenario": "budget_train", "setup": ARGS.setup, "reference_bytes": ref_bytes,
-            "reference_recomputed": ref_recomputed, "reference_rng_after": ref_rng, "cases": cases})
+    c.emit(
+        {
+            "scenario": "budget_train",
+            "setup": ARGS.setup,
+            "reference_bytes": ref_bytes,
+            "reference_recomputed": ref_recomputed,
+            "reference_rng_after": ref_rng,
+            "cases": cases,
+        }
+    )
 
 
 if __name__ == "__main__":

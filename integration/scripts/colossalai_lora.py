@@ -10,40 +10,51 @@ missing or differ from it, and the bytes autograd saved in each forward (saved_t
 usage: colossalai_lora.py MODEL_DIR --plugin ddp|hybrid [--train]
 prints one line: RESULT {json}
 """
+
 import argparse
 import socket
 import traceback
 
-import torch
-
 import _common as c
+import torch
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model")
 parser.add_argument("--plugin", choices=["ddp", "hybrid"], default="ddp")
 parser.add_argument("--train", action="store_true", help="call model.train() before boosting")
-parser.add_argument("--enable-first", action="store_true",
-                    help="gradient_checkpointing_enable() before booster.enable_lora (peft 0.13's tuner then calls "
-                         "the base model's forward directly, bypassing its hooks)")
+parser.add_argument(
+    "--enable-first",
+    action="store_true",
+    help="gradient_checkpointing_enable() before booster.enable_lora (peft 0.13's tuner then calls "
+    "the base model's forward directly, bypassing its hooks)",
+)
 args = parser.parse_args()
 base = {"plugin": args.plugin, "train_called": args.train, "enable_first": args.enable_first}
 
 try:
     import colossalai
     from colossalai.booster import Booster
+
     if args.plugin == "ddp":
         from colossalai.booster.plugin import TorchDDPPlugin as Plugin
     else:
-        from colossalai.booster.plugin import HybridParallelPlugin as Plugin
         import colossalai.shardformer.modeling.llama  # noqa: F401  (what its Llama policy imports at boost)
-except Exception as exc:  # shardformer's Llama support imports only with the transformers it was written for
+        from colossalai.booster.plugin import HybridParallelPlugin as Plugin
+except Exception as exc:
+    # shardformer's Llama support imports only with the transformers it was written for
     c.emit({**base, "plugin_unavailable": f"{type(exc).__name__}: {exc}"[:300]})
-    raise SystemExit(0)
+    raise SystemExit(0) from None
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+LORA = dict(
+    r=4,
+    lora_alpha=8,
+    target_modules=["q_proj", "v_proj"],
+    lora_dropout=0.0,
+    init_lora_weights=False,
+)
 ids = torch.randint(3, 400, (2, 32), generator=torch.Generator().manual_seed(1))
 
 
@@ -66,7 +77,7 @@ def lora_grads(model):
     for name, param in model.named_parameters():
         if param.requires_grad:
             while name.startswith("module."):
-                name = name[len("module."):]
+                name = name[len("module.") :]
             out[name] = None if param.grad is None else param.grad.detach().clone()
     return out
 
@@ -114,22 +125,32 @@ except Exception as exc:  # the plain crash of a reentrant checkpoint whose inpu
     traceback.print_exc()
 
 got = lora_grads(user_model)
-errors = {n: (float("inf") if got.get(n) is None or ref_grads[n] is None else (got[n] - ref_grads[n]).abs().max().item())
-          for n in ref_grads}
+errors = {
+    n: (
+        float("inf")
+        if got.get(n) is None or ref_grads[n] is None
+        else (got[n] - ref_grads[n]).abs().max().item()
+    )
+    for n in ref_grads
+}
 layers = [m for m in user_model.modules() if hasattr(m, "gradient_checkpointing")]
-c.emit({
-    **base,
-    "error": error,
-    "trainable": len(ref_grads),
-    "lora_params_in_model": len(got),
-    "missing_grads": sum(1 for n in ref_grads if got.get(n) is None),
-    "wrong_grads": sum(1 for e in errors.values() if e > 1e-5),
-    "max_err": max(errors.values()) if errors else None,
-    "loss_diff": None if loss is None else abs(loss.item() - ref_loss.item()),
-    "saved_bytes": total[0],
-    "saved_bytes_no_gc_ref": ref_total[0],
-    "saved_ratio": total[0] / ref_total[0],
-    "checkpointing_flags": sorted({f"{type(m).__name__}:{m.gradient_checkpointing}" for m in layers}),
-    "use_reentrant": c.checkpoint_use_reentrant(user_model),
-    "colossalai": colossalai.__version__,
-})
+c.emit(
+    {
+        **base,
+        "error": error,
+        "trainable": len(ref_grads),
+        "lora_params_in_model": len(got),
+        "missing_grads": sum(1 for n in ref_grads if got.get(n) is None),
+        "wrong_grads": sum(1 for e in errors.values() if e > 1e-5),
+        "max_err": max(errors.values()) if errors else None,
+        "loss_diff": None if loss is None else abs(loss.item() - ref_loss.item()),
+        "saved_bytes": total[0],
+        "saved_bytes_no_gc_ref": ref_total[0],
+        "saved_ratio": total[0] / ref_total[0],
+        "checkpointing_flags": sorted(
+            {f"{type(m).__name__}:{m.gradient_checkpointing}" for m in layers}
+        ),
+        "use_reentrant": c.checkpoint_use_reentrant(user_model),
+        "colossalai": colossalai.__version__,
+    }
+)

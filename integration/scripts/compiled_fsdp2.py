@@ -9,16 +9,16 @@ usage: python -m torch.distributed.run --nproc_per_node=2 compiled_fsdp2.py [--u
 Prints one RESULT line per rank: the trainable gradients (full tensors) against the same weights run
 eagerly without checkpointing or sharding, and dynamo's graph breaks by reason.
 """
+
 from __future__ import annotations
 
 import sys
 
+import _common as c
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard
-
-import _common as c
 
 
 def frozen_llama():
@@ -42,11 +42,21 @@ def main() -> None:
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager")
     compiled(input_ids=ids, labels=ids).loss.backward()
-    got = {name: None if p.grad is None else p.grad.full_tensor().detach().clone()
-           for name, p in model.named_parameters() if p.requires_grad}
+    got = {
+        name: None if p.grad is None else p.grad.full_tensor().detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
     report = c.compare_grads(got, c.trainable_grads(reference), atol=1e-5)
     breaks = {reason.split("\n")[0]: n for reason, n in counters["graph_break"].items()}
-    c.emit({"rank": dist.get_rank(), "graph_breaks": sum(breaks.values()), "break_reasons": breaks, **report})
+    c.emit(
+        {
+            "rank": dist.get_rank(),
+            "graph_breaks": sum(breaks.values()),
+            "break_reasons": breaks,
+            **report,
+        }
+    )
     dist.destroy_process_group()
 
 

@@ -9,16 +9,16 @@ Cases (one process, dynamo reset between them):
 
 usage: compiled_step.py [--backend aot_eager]    prints one line: RESULT {json}
 """
+
 from __future__ import annotations
 
 import argparse
 
+import _common as c
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
-
-import _common as c
 
 
 def frozen_llama():
@@ -40,7 +40,11 @@ class Blocks(nn.Module):
     def forward(self, input_ids, labels):
         hidden = self.embed(input_ids)
         for block in self.blocks:
-            hidden = checkpoint(block, hidden, use_reentrant=True) if self.checkpointed else block(hidden)
+            hidden = (
+                checkpoint(block, hidden, use_reentrant=True)
+                if self.checkpointed
+                else block(hidden)
+            )
         return nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), labels.flatten())
 
 
@@ -67,9 +71,13 @@ def case(build_ref, build, enable, step, backend: str) -> dict:
     graphs = counters["stats"]["unique_graphs"]
     step(compiled)  # a second step: no recompile
     second = c.compare_grads(c.trainable_grads(model), c.trainable_grads(ref), atol=1e-6)
-    return {"wrong": first["wrong"] + second["wrong"], "trainable": first["trainable"],
-            "graph_breaks": sum(counters["graph_break"].values()), "graphs": graphs,
-            "recompiles": counters["stats"]["unique_graphs"] - graphs}
+    return {
+        "wrong": first["wrong"] + second["wrong"],
+        "trainable": first["trainable"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "graphs": graphs,
+        "recompiles": counters["stats"]["unique_graphs"] - graphs,
+    }
 
 
 def main() -> None:
@@ -77,8 +85,16 @@ def main() -> None:
     parser.add_argument("--backend", default="aot_eager")
     backend = parser.parse_args().backend
     result = {
-        "llama": case(frozen_llama, frozen_llama, lambda m: m.gradient_checkpointing_enable(), llama_step, backend),
-        "reentrant": case(lambda: Blocks(False), lambda: Blocks(True), lambda m: None, blocks_step, backend),
+        "llama": case(
+            frozen_llama,
+            frozen_llama,
+            lambda m: m.gradient_checkpointing_enable(),
+            llama_step,
+            backend,
+        ),
+        "reentrant": case(
+            lambda: Blocks(False), lambda: Blocks(True), lambda m: None, blocks_step, backend
+        ),
     }
     c.emit(result)
 

@@ -6,6 +6,7 @@ model that never checkpointed. Ordinary user code: nothing here imports gcpatch.
 
 usage: copies.py    prints one line: RESULT {json}, one entry per case: {"ok": bool, ...} or {"error": "..."}
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,11 +14,10 @@ import functools
 import io
 import pickle
 
+import _common as c
 import torch
 import torch.utils.checkpoint as checkpoint_module
 from torch import nn
-
-import _common as c
 
 CASES = {}
 
@@ -61,8 +61,11 @@ def hf_deepcopy_after_a_step():
     step(model, c.input_ids())
     twin = copy.deepcopy(model)
     got = step(twin, c.input_ids())
-    return {**c.compare_grads(got, reference(frozen_llama)), "use_reentrant": c.checkpoint_use_reentrant(twin),
-            "original_use_reentrant": c.checkpoint_use_reentrant(model)}
+    return {
+        **c.compare_grads(got, reference(frozen_llama)),
+        "use_reentrant": c.checkpoint_use_reentrant(twin),
+        "original_use_reentrant": c.checkpoint_use_reentrant(model),
+    }
 
 
 @case
@@ -75,10 +78,13 @@ def hf_deepcopy_in_eval_mode_before_first_step():
     hooks = len(model.model._forward_pre_hooks)
     twin = copy.deepcopy(model)
     got = step(twin, c.input_ids())
-    return {**c.compare_grads(got, reference(frozen_llama, train=False)),
-            "copy_layers_checkpointing": sum(layer.training for layer in twin.model.layers),
-            "original_hooks_before": hooks, "original_hooks_after": len(model.model._forward_pre_hooks),
-            "copy_hooks_after": len(twin.model._forward_pre_hooks)}
+    return {
+        **c.compare_grads(got, reference(frozen_llama, train=False)),
+        "copy_layers_checkpointing": sum(layer.training for layer in twin.model.layers),
+        "original_hooks_before": hooks,
+        "original_hooks_after": len(model.model._forward_pre_hooks),
+        "copy_hooks_after": len(twin.model._forward_pre_hooks),
+    }
 
 
 @case
@@ -89,13 +95,18 @@ def hf_deepcopy_in_eval_mode_after_first_step():
     model.eval()
     step(model, c.input_ids())
     twin = copy.deepcopy(model)
-    bound = [getattr(layer._gradient_checkpointing_func, "layer", lambda: layer)() is layer
-             for layer in twin.model.layers]
+    bound = [
+        getattr(layer._gradient_checkpointing_func, "layer", lambda: layer)() is layer
+        for layer in twin.model.layers
+    ]
     got = step(twin, c.input_ids())
     with torch.no_grad():  # a no_grad forward asking for a cache gets it, as without checkpointing
         cache = twin(input_ids=c.input_ids(), use_cache=True).past_key_values
-    return {**c.compare_grads(got, reference(frozen_llama, train=False)), "copy_bound_to_copy": all(bound),
-            "cache_under_no_grad": cache is not None}
+    return {
+        **c.compare_grads(got, reference(frozen_llama, train=False)),
+        "copy_bound_to_copy": all(bound),
+        "cache_under_no_grad": cache is not None,
+    }
 
 
 @case
@@ -109,8 +120,10 @@ def peft_lora_deepcopy():
     model.gradient_checkpointing_enable()
     step(model, c.input_ids())
     twin = copy.deepcopy(model)
-    return {**c.compare_grads(step(twin, c.input_ids()), reference(build)),
-            "use_reentrant": c.checkpoint_use_reentrant(twin.base_model.model)}
+    return {
+        **c.compare_grads(step(twin, c.input_ids()), reference(build)),
+        "use_reentrant": c.checkpoint_use_reentrant(twin.base_model.model),
+    }
 
 
 class Blocks(nn.Module):
@@ -135,19 +148,25 @@ def blocks_step(model) -> dict:
     """One step's trainable gradients, named as in the unwrapped model."""
     model.zero_grad(set_to_none=True)
     model(c.input_ids(), c.input_ids()).backward()
-    return {name.replace("._checkpoint_wrapped_module", ""): grad for name, grad in c.trainable_grads(model).items()}
+    return {
+        name.replace("._checkpoint_wrapped_module", ""): grad
+        for name, grad in c.trainable_grads(model).items()
+    }
 
 
 def wrapped_blocks():
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                             apply_activation_checkpointing,
-                                                                             checkpoint_wrapper)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
 
     model = Blocks()
     model.embed.weight.requires_grad_(False)
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT)
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
-                                   check_fn=lambda m: isinstance(m, nn.Sequential))
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, nn.Sequential)
+    )
     return model
 
 
@@ -192,8 +211,12 @@ def partial_pickle_round_trip():
     made = functools.partial(checkpoint_module.checkpoint, use_reentrant=False)
     loaded = pickle.loads(pickle.dumps(made))
     copied = copy.deepcopy(made)
-    return {"ok": loaded.func is checkpoint_module.checkpoint and loaded.keywords == {"use_reentrant": False}
-            and copied.func is made.func, "bytes": len(pickle.dumps(made))}
+    return {
+        "ok": loaded.func is checkpoint_module.checkpoint
+        and loaded.keywords == {"use_reentrant": False}
+        and copied.func is made.func,
+        "bytes": len(pickle.dumps(made)),
+    }
 
 
 @case
@@ -201,8 +224,10 @@ def partial_model_torch_save():
     model = PartialBlocks()
     blocks_step(model)
     loaded = save_and_load(model)
-    return {**c.compare_grads(blocks_step(loaded), blocks_step(Blocks())),
-            "same_function": loaded.checkpoint.func is checkpoint_module.checkpoint}
+    return {
+        **c.compare_grads(blocks_step(loaded), blocks_step(Blocks())),
+        "same_function": loaded.checkpoint.func is checkpoint_module.checkpoint,
+    }
 
 
 @case
@@ -228,8 +253,11 @@ def trl_reference_model():
     with torch.no_grad():
         same = torch.equal(ref(input_ids=ids).logits, model(input_ids=ids).logits)
     got = step(model, ids)
-    return {**c.compare_grads(got, reference(c.llama)), "frozen": not any(p.requires_grad for p in ref.parameters()),
-            "same_logits": same}
+    return {
+        **c.compare_grads(got, reference(c.llama)),
+        "frozen": not any(p.requires_grad for p in ref.parameters()),
+        "same_logits": same,
+    }
 
 
 def main() -> None:

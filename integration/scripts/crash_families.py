@@ -13,14 +13,14 @@ usage: crash_families.py --family recompute|no_grad|twice
   ddp:       DDP(find_unused_parameters=True) + use_reentrant=True on 2 ranks ("Expected to mark a
              variable ready only once")
 """
+
 import argparse
 import os
 import traceback
 import warnings
 
-import torch
-
 import _common as c
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -83,12 +83,16 @@ def main() -> None:
         globals()[args.family]()
         result["error_type"] = None
     except Exception as exc:
-        result.update(error_type=f"{type(exc).__module__}.{type(exc).__name__}",
-                      message=str(exc).splitlines()[0][:300] if str(exc) else "",
-                      notes=list(getattr(exc, "__notes__", [])),
-                      frames=[f"{os.path.basename(f.filename)}:{f.name}"
-                              for f in traceback.extract_tb(exc.__traceback__)],
-                      formatted="".join(traceback.format_exception(exc))[-4000:])
+        result.update(
+            error_type=f"{type(exc).__module__}.{type(exc).__name__}",
+            message=str(exc).splitlines()[0][:300] if str(exc) else "",
+            notes=list(getattr(exc, "__notes__", [])),
+            frames=[
+                f"{os.path.basename(f.filename)}:{f.name}"
+                for f in traceback.extract_tb(exc.__traceback__)
+            ],
+            formatted="".join(traceback.format_exception(exc))[-4000:],
+        )
     c.emit(result)
     if args.family == "ddp":
         import torch.distributed as dist

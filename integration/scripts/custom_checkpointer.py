@@ -6,13 +6,13 @@ checkpointing. Nothing here imports gcpatch.
 
 usage: custom_checkpointer.py     prints one line: RESULT {json}
 """
+
 import warnings
 
+import _common as c
 import torch
 import torch.utils.checkpoint
 import transformers.modeling_utils
-
-import _common as c
 
 asked = []
 
@@ -36,8 +36,14 @@ def main():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model(input_ids=ids, labels=ids).loss.backward()
     grads = c.compare_grads(c.trainable_grads(model), c.trainable_grads(ref))
-    c.emit({"scenario": "custom_checkpointer", "asked_custom": sorted({str(a) for a in asked}),
-            "wrong": grads["wrong"], "trainable": grads["trainable"]})
+    c.emit(
+        {
+            "scenario": "custom_checkpointer",
+            "asked_custom": sorted({str(a) for a in asked}),
+            "wrong": grads["wrong"],
+            "trainable": grads["trainable"],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -8,15 +8,15 @@ usage: python -m torch.distributed.run --nproc_per_node=2 ddp_unused.py --frozen
 The reference is an identical DDP model without checkpointing, same batch per rank (so the same
 all-reduced gradients are expected). Each rank prints one RESULT line.
 """
+
 import argparse
 import os
 import warnings
 
+import _common as c
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import _common as c
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -51,7 +51,12 @@ def main() -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     ddp = DDP(model, find_unused_parameters=True)
 
-    result = {"scenario": "ddp_unused", "frozen": args.frozen, "rank": rank, "world": dist.get_world_size()}
+    result = {
+        "scenario": "ddp_unused",
+        "frozen": args.frozen,
+        "rank": rank,
+        "world": dist.get_world_size(),
+    }
     error = None
     wrong_per_step = []
     try:
@@ -62,14 +67,25 @@ def main() -> None:
             loss = step(ddp, ids)
             got = c.trainable_grads(ddp.module)
             cmp = c.compare_grads(got, reference)
-            wrong_per_step.append({"step": s, "wrong": cmp["wrong"], "grad_none": cmp["grad_none"],
-                                   "trainable": cmp["trainable"],
-                                   "loss_equal": bool(torch.allclose(loss, ref_loss, atol=1e-6))})
+            wrong_per_step.append(
+                {
+                    "step": s,
+                    "wrong": cmp["wrong"],
+                    "grad_none": cmp["grad_none"],
+                    "trainable": cmp["trainable"],
+                    "loss_equal": bool(torch.allclose(loss, ref_loss, atol=1e-6)),
+                }
+            )
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"[:500]
-    result.update({"error": error, "steps": wrong_per_step,
-                   "applied_use_reentrant": c.checkpoint_use_reentrant(ddp.module),
-                   "use_cache": ddp.module.config.use_cache})
+    result.update(
+        {
+            "error": error,
+            "steps": wrong_per_step,
+            "applied_use_reentrant": c.checkpoint_use_reentrant(ddp.module),
+            "use_cache": ddp.module.config.use_cache,
+        }
+    )
     c.emit(result)
     if error is None:
         dist.barrier()

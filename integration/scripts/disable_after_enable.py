@@ -13,14 +13,14 @@ compares the GCPATCH=1 run with the plain one, figure by figure. Nothing here im
 
 usage: disable_after_enable.py     prints one line: RESULT {json}
 """
+
 import json
 import os
 import tempfile
 import warnings
 
-import torch
-
 import _common as c
+import torch
 
 
 def forward_backward(model):
@@ -44,8 +44,13 @@ def state(model):
     return {
         "config": json.dumps(model.config.to_dict(), sort_keys=True, default=repr),
         "use_cache": model.config.use_cache,
-        "checkpointing": sorted({bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules()
-                                 if hasattr(m, "gradient_checkpointing")}),
+        "checkpointing": sorted(
+            {
+                bool(getattr(m, "gradient_checkpointing", False))
+                for m in model.modules()
+                if hasattr(m, "gradient_checkpointing")
+            }
+        ),
         "training_flags": [m.training for m in model.modules()],
         "hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()),
         "grad_sum": float(sum(g.double().sum() for g in grads.values() if g is not None)),
@@ -87,9 +92,17 @@ def trainer_false(model):
     ids = c.input_ids(batch=4)
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1, learning_rate=0.0,
-                                 gradient_checkpointing=False, report_to=[], save_strategy="no", use_cpu=True,
-                                 logging_strategy="no")
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=2,
+            max_steps=1,
+            learning_rate=0.0,
+            gradient_checkpointing=False,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            logging_strategy="no",
+        )
         Trainer(model=model, args=args, train_dataset=data).train()
     return model
 

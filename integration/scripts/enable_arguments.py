@@ -5,15 +5,15 @@ checkpoint every 2nd layer with offloading, by a direct call or through the Trai
 
 usage: enable_arguments.py --path call|trainer
 """
+
 import argparse
 import functools
 import tempfile
 import warnings
 
+import _common as c
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-
-import _common as c
 
 LAYERS = 4
 ASK = {"use_reentrant": True}
@@ -29,8 +29,11 @@ def checkpointed(model) -> dict:
             func = func.func  # gcpatch's R5 wrapper, if any
         inner = func.func if isinstance(func, functools.partial) else func
         funcs.add(getattr(inner, "__name__", type(inner).__name__))
-    return {"checkpointed_layers": on, "checkpoint_functions": sorted(funcs),
-            "use_reentrant": c.checkpoint_use_reentrant(model)}
+    return {
+        "checkpointed_layers": on,
+        "checkpoint_functions": sorted(funcs),
+        "use_reentrant": c.checkpoint_use_reentrant(model),
+    }
 
 
 def host_memory_unpinned() -> None:
@@ -41,7 +44,9 @@ def host_memory_unpinned() -> None:
 
     original = getattr(mu, "save_on_cpu", None)
     if original is not None:
-        mu.save_on_cpu = lambda pin_memory=False, device_type=None: original(pin_memory=False, device_type=device_type)
+        mu.save_on_cpu = lambda pin_memory=False, device_type=None: original(
+            pin_memory=False, device_type=device_type
+        )
 
 
 def main() -> None:
@@ -51,19 +56,38 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=c.VOCAB, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=c.VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     c.freeze_embeddings_and_first_layer(model)
     if args.path == "call":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(ASK), every_n_layers=2, offload=True)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=dict(ASK), every_n_layers=2, offload=True
+        )
         seen = checkpointed(model)
     else:
         with tempfile.TemporaryDirectory() as out:
             targs = TrainingArguments(
-                output_dir=out, gradient_checkpointing=True, max_steps=1, per_device_train_batch_size=2,
+                output_dir=out,
+                gradient_checkpointing=True,
+                max_steps=1,
+                per_device_train_batch_size=2,
                 gradient_checkpointing_kwargs={**ASK, "every_n_layers": 2, "offload": True},
-                report_to=[], use_cpu=True, learning_rate=0.0, save_strategy="no", logging_strategy="no",
-                disable_tqdm=True, dataloader_num_workers=0, seed=0,
+                report_to=[],
+                use_cpu=True,
+                learning_rate=0.0,
+                save_strategy="no",
+                logging_strategy="no",
+                disable_tqdm=True,
+                dataloader_num_workers=0,
+                seed=0,
             )
             Trainer(model=model, args=targs, train_dataset=c.Batch(c.input_ids(batch=2))).train()
         seen = checkpointed(model)

@@ -10,21 +10,27 @@ checkpointed layer would drop. Compared with the same steps of the never-checkpo
 
 usage: eval_mode_generate.py
 """
+
 import inspect
 import warnings
 
+import _common as c
 import torch
 import transformers
 from packaging.version import Version
 
-import _common as c
-
 
 def generate(model, prompt, use_cache=True):
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
-                             use_cache=use_cache)
-    return out[0, prompt.shape[1]:].tolist()
+        out = model.generate(
+            prompt,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            use_cache=use_cache,
+        )
+    return out[0, prompt.shape[1] :].tolist()
 
 
 def cached_step(model, ids):
@@ -53,18 +59,23 @@ def main() -> None:
     cached = {}
     if Version(transformers.__version__) >= Version("4.56"):
         (want, _), (step, name) = cached_step(reference, ids), cached_step(model, ids)
-        cached = {"cache_keyword": name, "cached_step_equal": torch.equal(want, step),
-                  "cached_step_max_err": (want - step).abs().max().item()}
-    c.emit({
-        **cached,
-        "scenario": "eval_mode_generate",
-        "tokens_expected": expected,
-        "tokens_got": got,
-        "tokens_equal": expected == got,
-        "tokens_equal_without_kv_cache": expected == got_without_cache,
-        "model_training": model.training,
-        "layers_training": layers,
-    })
+        cached = {
+            "cache_keyword": name,
+            "cached_step_equal": torch.equal(want, step),
+            "cached_step_max_err": (want - step).abs().max().item(),
+        }
+    c.emit(
+        {
+            **cached,
+            "scenario": "eval_mode_generate",
+            "tokens_expected": expected,
+            "tokens_got": got,
+            "tokens_equal": expected == got,
+            "tokens_equal_without_kv_cache": expected == got_without_cache,
+            "model_training": model.training,
+            "layers_training": layers,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ owner (LlamaModel) holds the checkpoint flag and its forward reads `self.trainin
 
 usage: eval_mode_gpt2.py [--model gpt2|llama]
 """
+
 import argparse
 import warnings
 
+import _common as c
 import torch
 from torch import nn
-
-import _common as c
 
 
 def forward_backward(model, ids):
@@ -43,9 +43,18 @@ def llama4(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=c.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                        num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=c.VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_dropout=0.1,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def main() -> None:
@@ -73,24 +82,26 @@ def main() -> None:
     train.gradient_checkpointing_enable()
     _, train_saved = forward_backward(train, ids)
 
-    c.emit({
-        "scenario": f"eval_mode_{args.model}",
-        "saved_bytes_eval_nogc": ref_saved["bytes"],
-        "saved_bytes_eval_gc": saved["bytes"],
-        "saved_bytes_train_gc": train_saved["bytes"],
-        "ratio_eval_gc_to_train_gc": saved["bytes"] / train_saved["bytes"],
-        "ratio_eval_gc_to_eval_nogc": saved["bytes"] / ref_saved["bytes"],
-        "dropout_modules": len(before),
-        "dropout_flags_unchanged": before == after,
-        "dropout_all_off": not any(after),
-        "modules_training_flag_changed": changed,
-        "loss_equal_eval_nogc": bool(torch.allclose(loss, ref_loss, atol=1e-6, rtol=0)),
-        "loss_abs_diff": float((loss - ref_loss).abs()),
-        "grads_wrong": grads["wrong"],
-        "trainable": grads["trainable"],
-        "applied_use_reentrant": c.checkpoint_use_reentrant(model),
-        "model_training": model.training,
-    })
+    c.emit(
+        {
+            "scenario": f"eval_mode_{args.model}",
+            "saved_bytes_eval_nogc": ref_saved["bytes"],
+            "saved_bytes_eval_gc": saved["bytes"],
+            "saved_bytes_train_gc": train_saved["bytes"],
+            "ratio_eval_gc_to_train_gc": saved["bytes"] / train_saved["bytes"],
+            "ratio_eval_gc_to_eval_nogc": saved["bytes"] / ref_saved["bytes"],
+            "dropout_modules": len(before),
+            "dropout_flags_unchanged": before == after,
+            "dropout_all_off": not any(after),
+            "modules_training_flag_changed": changed,
+            "loss_equal_eval_nogc": bool(torch.allclose(loss, ref_loss, atol=1e-6, rtol=0)),
+            "loss_abs_diff": float((loss - ref_loss).abs()),
+            "grads_wrong": grads["wrong"],
+            "trainable": grads["trainable"],
+            "applied_use_reentrant": c.checkpoint_use_reentrant(model),
+            "model_training": model.training,
+        }
+    )
 
 
 if __name__ == "__main__":

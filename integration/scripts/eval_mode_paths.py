@@ -13,12 +13,12 @@ gradients against the eval-mode model without checkpointing. Nothing here import
 
 usage: eval_mode_paths.py     prints one line: RESULT {json}
 """
+
 import warnings
 
+import _common as c
 import torch
 from torch import nn
-
-import _common as c
 
 
 class Tuner(nn.Module):
@@ -36,8 +36,16 @@ def lora(model):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(3)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                                            init_lora_weights=False))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            lora_dropout=0.0,
+            init_lora_weights=False,
+        ),
+    )
 
 
 def run(path, mode, checkpointing=True):
@@ -71,10 +79,15 @@ def main():
         eval_bytes, grads, model = run(path, "eval")
         train_bytes, _, _ = run(path, "train")
         cmp = c.compare_grads(grads, ref_grads)
-        out[path] = {"saved_eval_gc": eval_bytes, "saved_train_gc": train_bytes, "saved_eval_nogc": ref_bytes,
-                     "ratio_eval_to_train": round(eval_bytes / train_bytes, 3), "grads_wrong": cmp["wrong"],
-                     "trainable": cmp["trainable"],
-                     "model_training": getattr(model, "get_base_model", lambda: model)().training}
+        out[path] = {
+            "saved_eval_gc": eval_bytes,
+            "saved_train_gc": train_bytes,
+            "saved_eval_nogc": ref_bytes,
+            "ratio_eval_to_train": round(eval_bytes / train_bytes, 3),
+            "grads_wrong": cmp["wrong"],
+            "trainable": cmp["trainable"],
+            "model_training": getattr(model, "get_base_model", lambda: model)().training,
+        }
     c.emit({"scenario": "eval_mode_paths", "paths": out})
 
 

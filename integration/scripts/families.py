@@ -15,15 +15,15 @@ Per family:
 
 usage: families.py [FAMILY ...]     prints one line: RESULT {json}
 """
+
 from __future__ import annotations
 
 import sys
 import traceback
 import warnings
 
-import torch
-
 import _common as c
+import torch
 
 B, T = 2, 8
 V = 64
@@ -51,8 +51,16 @@ def _first_float(out, names=("logits", "logits_per_image", "last_hidden_state"))
 
 # ---- builders: (model class, config) from a fixed seed -------------------------------------------------
 
-LM = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+LM = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 
 
 def _causal(config_cls, model_cls, **extra):
@@ -61,101 +69,238 @@ def _causal(config_cls, model_cls, **extra):
 
         config = getattr(transformers, config_cls)(**{**LM, **extra})
         return getattr(transformers, model_cls)(config)
+
     return build
 
 
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
-    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=V,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def _neox():
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, max_position_embeddings=64))
+
+    return GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def _t5():
     from transformers import T5Config, T5ForConditionalGeneration
-    return T5ForConditionalGeneration(T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                               num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
-                                               decoder_start_token_id=0))
+
+    return T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=V,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+        )
+    )
 
 
 def _bart():
     from transformers import BartConfig, BartForConditionalGeneration
-    return BartForConditionalGeneration(BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
-                                                   encoder_attention_heads=4, decoder_attention_heads=4,
-                                                   encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-                                                   dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+
+    return BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=V,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        )
+    )
 
 
 def _whisper():
     from transformers import WhisperConfig, WhisperForConditionalGeneration
-    return WhisperForConditionalGeneration(WhisperConfig(
-        vocab_size=V, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=8,
-        max_target_positions=32, dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[]))
+
+    return WhisperForConditionalGeneration(
+        WhisperConfig(
+            vocab_size=V,
+            num_mel_bins=8,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_source_positions=8,
+            max_target_positions=32,
+            dropout=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+            suppress_tokens=[],
+            begin_suppress_tokens=[],
+        )
+    )
 
 
 def _bert():
     from transformers import BertConfig, BertForMaskedLM
-    return BertForMaskedLM(BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0))
+
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=V,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
-VISION = dict(image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
-              num_attention_heads=4, intermediate_size=64)
+VISION = dict(
+    image_size=16,
+    patch_size=8,
+    num_channels=3,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+)
 
 
 def _vit():
     from transformers import ViTConfig, ViTForImageClassification
-    return ViTForImageClassification(ViTConfig(**VISION, num_labels=3, hidden_dropout_prob=0.0,
-                                               attention_probs_dropout_prob=0.0))
+
+    return ViTForImageClassification(
+        ViTConfig(**VISION, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    )
 
 
 def _clip():
     from transformers import CLIPConfig, CLIPModel
-    text = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=T, projection_dim=16)
-    return CLIPModel(CLIPConfig(text_config=text, vision_config={**VISION, "projection_dim": 16}, projection_dim=16))
+
+    text = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=T,
+        projection_dim=16,
+    )
+    return CLIPModel(
+        CLIPConfig(
+            text_config=text, vision_config={**VISION, "projection_dim": 16}, projection_dim=16
+        )
+    )
 
 
 IMAGE_TOKEN = V - 1
 
 
 def _llava():
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-    config = LlavaConfig(vision_config=CLIPVisionConfig(**VISION), text_config=LlamaConfig(**LM),
-                         image_token_index=IMAGE_TOKEN, projector_hidden_act="gelu", vision_feature_layer=-1,
-                         vision_feature_select_strategy="full")
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(**VISION),
+        text_config=LlamaConfig(**LM),
+        image_token_index=IMAGE_TOKEN,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+    )
     return LlavaForConditionalGeneration(config)
 
 
 def _qwen2_vl():
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    text = {**LM, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}, "rope_parameters": {
-        "rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}}
-    config = Qwen2VLConfig(text_config=text, vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4,
-                                                                mlp_ratio=2, patch_size=2, spatial_merge_size=1,
-                                                                temporal_patch_size=1, in_channels=3),
-                           image_token_id=IMAGE_TOKEN, vision_start_token_id=V - 2, vision_end_token_id=V - 3,
-                           video_token_id=V - 4, vocab_size=V)
+
+    text = {
+        **LM,
+        "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [1, 1, 2],
+            "rope_theta": 10000.0,
+        },
+    }
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=2,
+            spatial_merge_size=1,
+            temporal_patch_size=1,
+            in_channels=3,
+        ),
+        image_token_id=IMAGE_TOKEN,
+        vision_start_token_id=V - 2,
+        vision_end_token_id=V - 3,
+        video_token_id=V - 4,
+        vocab_size=V,
+    )
     return Qwen2VLForConditionalGeneration(config)
 
 
 def _lora():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
+
     model = LlamaForCausalLM(LlamaConfig(**LM))
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                                            init_lora_weights=False))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            lora_dropout=0.0,
+            init_lora_weights=False,
+        ),
+    )
 
 
 # ---- input paths --------------------------------------------------------------------------------------
+
 
 def ids_path(model):
     return {"input_ids": _ids()}
@@ -163,7 +308,10 @@ def ids_path(model):
 
 def embeds_path(model):
     # the mask too: Qwen2-VL on transformers 4.57 derives its rope positions from ids or the mask
-    return {"inputs_embeds": _embeds(model, _ids()), "attention_mask": torch.ones(B, T, dtype=torch.long)}
+    return {
+        "inputs_embeds": _embeds(model, _ids()),
+        "attention_mask": torch.ones(B, T, dtype=torch.long),
+    }
 
 
 def seq2seq_ids(model):
@@ -172,7 +320,10 @@ def seq2seq_ids(model):
 
 def seq2seq_embeds(model):
     emb = model.get_input_embeddings()
-    return {"inputs_embeds": emb(_ids()).detach(), "decoder_inputs_embeds": emb(_ids(seed=3)).detach()}
+    return {
+        "inputs_embeds": emb(_ids()).detach(),
+        "decoder_inputs_embeds": emb(_ids(seed=3)).detach(),
+    }
 
 
 def audio_path(model):
@@ -196,7 +347,7 @@ def _llava_tokens(model):
 def llava_pixels_full(model):
     n = _llava_tokens(model)
     ids = _ids(vocab=V - 4, length=T + n)
-    ids[:, 1:1 + n] = IMAGE_TOKEN
+    ids[:, 1 : 1 + n] = IMAGE_TOKEN
     return {"input_ids": ids, "pixel_values": _float((B, 3, 16, 16))}
 
 
@@ -205,14 +356,19 @@ def qwen2_vl_pixels(model):
     n = 16
     ids = _ids(vocab=V - 5, length=T + n + 2)
     ids[:, 1] = V - 2
-    ids[:, 2:2 + n] = IMAGE_TOKEN
+    ids[:, 2 : 2 + n] = IMAGE_TOKEN
     ids[:, 2 + n] = V - 3
     pixels = torch.cat([_float((n, 3 * 1 * 2 * 2), seed=4 + i) for i in range(B)])
-    return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 4]] * B),
-            "mm_token_type_ids": (ids == IMAGE_TOKEN).long()}
+    return {
+        "input_ids": ids,
+        "pixel_values": pixels,
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * B),
+        "mm_token_type_ids": (ids == IMAGE_TOKEN).long(),
+    }
 
 
 # ---- what is frozen in the partially frozen set-up: the input front ----------------------------------
+
 
 def freeze_input_embeddings(model):
     for p in model.get_input_embeddings().parameters():
@@ -224,6 +380,7 @@ def freeze_named(*prefixes):
         for name, p in model.named_parameters():
             if any(name.startswith(pre) for pre in prefixes):
                 p.requires_grad_(False)
+
     return freeze
 
 
@@ -233,16 +390,54 @@ def freeze_lora(model):
 
 # name, label, build, input paths, freeze, has a KV cache
 FAMILIES = {
-    "llama": ("LlamaForCausalLM", _causal("LlamaConfig", "LlamaForCausalLM"), ids_path, embeds_path),
-    "qwen2": ("Qwen2ForCausalLM", _causal("Qwen2Config", "Qwen2ForCausalLM"), ids_path, embeds_path),
-    "qwen3": ("Qwen3ForCausalLM", _causal("Qwen3Config", "Qwen3ForCausalLM", head_dim=8), ids_path, embeds_path),
-    "mistral": ("MistralForCausalLM", _causal("MistralConfig", "MistralForCausalLM"), ids_path, embeds_path),
-    "mixtral": ("MixtralForCausalLM (MoE)", _causal("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
-                                                    num_experts_per_tok=2), ids_path, embeds_path),
-    "gemma2": ("Gemma2ForCausalLM", _causal("Gemma2Config", "Gemma2ForCausalLM", head_dim=8), ids_path, embeds_path),
-    "gemma3": ("Gemma3ForCausalLM", _causal("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8), ids_path,
-               embeds_path),
-    "phi3": ("Phi3ForCausalLM", _causal("Phi3Config", "Phi3ForCausalLM", pad_token_id=0), ids_path, embeds_path),
+    "llama": (
+        "LlamaForCausalLM",
+        _causal("LlamaConfig", "LlamaForCausalLM"),
+        ids_path,
+        embeds_path,
+    ),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        _causal("Qwen2Config", "Qwen2ForCausalLM"),
+        ids_path,
+        embeds_path,
+    ),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        _causal("Qwen3Config", "Qwen3ForCausalLM", head_dim=8),
+        ids_path,
+        embeds_path,
+    ),
+    "mistral": (
+        "MistralForCausalLM",
+        _causal("MistralConfig", "MistralForCausalLM"),
+        ids_path,
+        embeds_path,
+    ),
+    "mixtral": (
+        "MixtralForCausalLM (MoE)",
+        _causal("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
+        ids_path,
+        embeds_path,
+    ),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        _causal("Gemma2Config", "Gemma2ForCausalLM", head_dim=8),
+        ids_path,
+        embeds_path,
+    ),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        _causal("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8),
+        ids_path,
+        embeds_path,
+    ),
+    "phi3": (
+        "Phi3ForCausalLM",
+        _causal("Phi3Config", "Phi3ForCausalLM", pad_token_id=0),
+        ids_path,
+        embeds_path,
+    ),
     "gpt_neox": ("GPTNeoXForCausalLM", _neox, ids_path, embeds_path),
     "gpt2": ("GPT2LMHeadModel", _gpt2, ids_path, embeds_path),
     "t5": ("T5ForConditionalGeneration", _t5, seq2seq_ids, seq2seq_embeds),
@@ -257,18 +452,29 @@ FAMILIES = {
 }
 
 FREEZE = {
-    "whisper": freeze_named("model.encoder.conv1", "model.encoder.conv2", "model.decoder.embed_tokens"),
+    "whisper": freeze_named(
+        "model.encoder.conv1", "model.encoder.conv2", "model.decoder.embed_tokens"
+    ),
     "vit": freeze_named("vit.embeddings"),
     "clip": freeze_named("text_model.embeddings", "vision_model.embeddings"),
-    "llava": freeze_named("model.vision_tower", "model.multi_modal_projector", "model.language_model.embed_tokens"),
+    "llava": freeze_named(
+        "model.vision_tower", "model.multi_modal_projector", "model.language_model.embed_tokens"
+    ),
     "qwen2_vl": freeze_named("model.visual.patch_embed", "model.language_model.embed_tokens"),
     "peft_lora": freeze_lora,
 }
 
-PATH_NAMES = {ids_path: "input_ids", embeds_path: "inputs_embeds", seq2seq_ids: "input_ids",
-              seq2seq_embeds: "inputs_embeds", audio_path: "input_features", pixels_path: "pixel_values",
-              clip_path: "input_ids+pixel_values", llava_pixels_full: "input_ids+pixel_values",
-              qwen2_vl_pixels: "input_ids+pixel_values"}
+PATH_NAMES = {
+    ids_path: "input_ids",
+    embeds_path: "inputs_embeds",
+    seq2seq_ids: "input_ids",
+    seq2seq_embeds: "inputs_embeds",
+    audio_path: "input_features",
+    pixels_path: "pixel_values",
+    clip_path: "input_ids+pixel_values",
+    llava_pixels_full: "input_ids+pixel_values",
+    qwen2_vl_pixels: "input_ids+pixel_values",
+}
 
 
 def build(name):
@@ -318,7 +524,12 @@ def grads_case(name, path, freeze, reentrant=True):
         error = f"{type(exc).__name__}: {exc}"[:200]
     cmp = compare(c.trainable_grads(model), ref_grads)
     frozen = sum(1 for p in model.parameters() if not p.requires_grad)
-    return {**cmp, "frozen_tensors": frozen, "error": error, "use_reentrant": c.checkpoint_use_reentrant(model)}
+    return {
+        **cmp,
+        "frozen_tensors": frozen,
+        "error": error,
+        "use_reentrant": c.checkpoint_use_reentrant(model),
+    }
 
 
 def compare(got, ref, atol=1e-5):
@@ -326,13 +537,30 @@ def compare(got, ref, atol=1e-5):
     (a tensor the input path never reaches, e.g. the embedding under inputs_embeds, has none in both)."""
     missing = sorted(n for n in ref if ref[n] is not None and got[n] is None)
     extra = sorted(n for n in ref if ref[n] is None and got[n] is not None)
-    differ = sorted(n for n in ref if ref[n] is not None and got[n] is not None
-                    and not torch.allclose(got[n], ref[n], atol=atol, rtol=1e-4))
+    differ = sorted(
+        n
+        for n in ref
+        if ref[n] is not None
+        and got[n] is not None
+        and not torch.allclose(got[n], ref[n], atol=atol, rtol=1e-4)
+    )
     wrong = missing + extra + differ
-    max_err = max((float((got[n] - ref[n]).abs().max()) for n in ref if ref[n] is not None and got[n] is not None),
-                  default=0.0)
-    return {"trainable": len(ref), "with_grad": sum(1 for g in ref.values() if g is not None), "wrong": len(wrong),
-            "missing": len(missing), "wrong_names": wrong[:4], "max_err": max_err}
+    max_err = max(
+        (
+            float((got[n] - ref[n]).abs().max())
+            for n in ref
+            if ref[n] is not None and got[n] is not None
+        ),
+        default=0.0,
+    )
+    return {
+        "trainable": len(ref),
+        "with_grad": sum(1 for g in ref.values() if g is not None),
+        "wrong": len(wrong),
+        "missing": len(missing),
+        "wrong_names": wrong[:4],
+        "max_err": max_err,
+    }
 
 
 def eval_case(name, path):
@@ -344,10 +572,15 @@ def eval_case(name, path):
     model = build(name).eval()
     enable(model)
     saved_eval, _ = forward_backward(model, path(model))
-    return {"saved_eval_gc": saved_eval, "saved_train_gc": saved_train, "saved_eval_nogc": saved_nogc,
-            # plain 4.x LoRA: reentrant over a frozen base builds no graph in train mode (saves nothing)
-            "ratio_eval_to_train": round(saved_eval / saved_train, 3) if saved_train else None,
-            "ratio_eval_to_nogc": round(saved_eval / saved_nogc, 3), "model_training": model.training}
+    return {
+        "saved_eval_gc": saved_eval,
+        "saved_train_gc": saved_train,
+        "saved_eval_nogc": saved_nogc,
+        # plain 4.x LoRA: reentrant over a frozen base builds no graph in train mode (saves nothing)
+        "ratio_eval_to_train": round(saved_eval / saved_train, 3) if saved_train else None,
+        "ratio_eval_to_nogc": round(saved_eval / saved_nogc, 3),
+        "model_training": model.training,
+    }
 
 
 def configs_with_cache(config, prefix="config"):
@@ -386,8 +619,11 @@ def _cache_state(out):
     if cache is None:
         return "none"
     try:
-        lengths = [cache.get_seq_length(i) for i in range(len(cache))] if hasattr(cache, "get_seq_length") else \
-            [len(layer) for layer in cache]
+        lengths = (
+            [cache.get_seq_length(i) for i in range(len(cache))]
+            if hasattr(cache, "get_seq_length")
+            else [len(layer) for layer in cache]
+        )
     except Exception:  # noqa: BLE001
         lengths = []
     if hasattr(cache, "self_attention_cache"):
@@ -413,8 +649,12 @@ def cache_case(name, path):
     before = _config_owners(model)
     enable(model)
     after = _config_owners(model)
-    result = {"use_cache_before": before, "use_cache_after_enable": after,
-              "use_cache_on": sorted(k for k, v in after.items() if v), "stacks": stacks(model)}
+    result = {
+        "use_cache_before": before,
+        "use_cache_after_enable": after,
+        "use_cache_on": sorted(k for k, v in after.items() if v),
+        "stacks": stacks(model),
+    }
     model.eval()
     inputs = path(model)
     with torch.enable_grad():
@@ -442,7 +682,9 @@ def family(name, only=""):
     for key, case in (("eval", eval_case), ("cache", cache_case)):
         try:
             res[key] = case(name, paths[0])
-        except Exception as exc:  # plain transformers 4.57 Whisper: reentrant by default crashes in train mode
+        except (
+            Exception
+        ) as exc:  # plain transformers 4.57 Whisper: reentrant by default crashes in train mode
             traceback.print_exc()
             res[key] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     return res
@@ -451,6 +693,7 @@ def family(name, only=""):
 def main(names, only=""):
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
     results = {}
     for name in names:

@@ -6,12 +6,12 @@ usage: frozen_llama.py --api gc|ac --input ids|embeds
   gc: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
   ac: model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True}) (5.x)
 """
+
 import argparse
 import warnings
 
-import torch
-
 import _common as c
+import torch
 
 
 def loss_and_backward(model, ids, embeds):
@@ -45,21 +45,27 @@ def main() -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
         if not hasattr(model, "activation_checkpointing_enable"):
-            c.emit({"skipped": "activation_checkpointing_enable does not exist in this transformers"})
+            c.emit(
+                {"skipped": "activation_checkpointing_enable does not exist in this transformers"}
+            )
             return
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     loss = loss_and_backward(model, ids, embeds)
     got = c.trainable_grads(model)
 
-    c.emit({
-        "scenario": "frozen_llama", "api": args.api, "input": args.input,
-        **c.compare_grads(got, reference),
-        "frozen": sum(1 for p in model.parameters() if not p.requires_grad),
-        "loss_equal": bool(torch.allclose(loss, ref_loss, atol=1e-6)),
-        "applied_use_reentrant": c.checkpoint_use_reentrant(model),
-        "use_cache": model.config.use_cache,
-        "is_gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", None)),
-    })
+    c.emit(
+        {
+            "scenario": "frozen_llama",
+            "api": args.api,
+            "input": args.input,
+            **c.compare_grads(got, reference),
+            "frozen": sum(1 for p in model.parameters() if not p.requires_grad),
+            "loss_equal": bool(torch.allclose(loss, ref_loss, atol=1e-6)),
+            "applied_use_reentrant": c.checkpoint_use_reentrant(model),
+            "use_cache": model.config.use_cache,
+            "is_gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", None)),
+        }
+    )
 
 
 if __name__ == "__main__":

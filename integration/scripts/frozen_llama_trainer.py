@@ -5,13 +5,13 @@ compared with those of the same Trainer set-up without checkpointing, on the sam
 
 usage: frozen_llama_trainer.py
 """
+
 import tempfile
 import warnings
 
+import _common as c
 import torch
 from transformers import Trainer, TrainingArguments
-
-import _common as c
 
 
 def train_one_step(checkpointing: bool, ids: torch.Tensor) -> c.FirstStepProbe:
@@ -20,11 +20,23 @@ def train_one_step(checkpointing: bool, ids: torch.Tensor) -> c.FirstStepProbe:
     capture = c.FirstStepProbe(model)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, gradient_checkpointing=checkpointing, max_steps=1, per_device_train_batch_size=2,
-            report_to=[], use_cpu=True, learning_rate=0.0, max_grad_norm=0.0, save_strategy="no",
-            logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+            output_dir=out,
+            gradient_checkpointing=checkpointing,
+            max_steps=1,
+            per_device_train_batch_size=2,
+            report_to=[],
+            use_cpu=True,
+            learning_rate=0.0,
+            max_grad_norm=0.0,
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
         )
-        Trainer(model=model, args=args, train_dataset=c.Batch(ids), optimizers=(capture, None)).train()
+        Trainer(
+            model=model, args=args, train_dataset=c.Batch(ids), optimizers=(capture, None)
+        ).train()
     assert capture.grads is not None, "the optimizer never stepped"
     return capture
 
@@ -34,11 +46,13 @@ def main() -> None:
     ids = c.input_ids(batch=2)
     reference = train_one_step(False, ids)
     checkpointed = train_one_step(True, ids)
-    c.emit({
-        "scenario": "frozen_llama_trainer",
-        **c.compare_grads(checkpointed.grads, reference.grads),
-        "applied_use_reentrant": checkpointed.use_reentrant,
-    })
+    c.emit(
+        {
+            "scenario": "frozen_llama_trainer",
+            **c.compare_grads(checkpointed.grads, reference.grads),
+            "applied_use_reentrant": checkpointed.use_reentrant,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ the checkpoint there and also where GradientCheckpointingLayer checkpoints `nn.M
 Prints one RESULT line per rank: where the checkpoint sits, the all-gathers in forward and in
 backward, and every gradient against the same weights without checkpointing or sharding.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._flat_param as flat_param
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+from _common import checkpoint_use_reentrant, compare_grads, emit, input_ids, llama, trainable_grads
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-from _common import checkpoint_use_reentrant, compare_grads, emit, input_ids, llama, trainable_grads
 
 def checkpoint_site(layer_cls) -> str:
     """loop: the model's loop checkpoints `layer.__call__`; layer_call: GradientCheckpointingLayer's
@@ -77,13 +78,21 @@ model.train()
 if args.ask == "none":
     model.gradient_checkpointing_enable()
 elif args.ask != "nogc":
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.ask == "true"})
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": args.ask == "true"}
+    )
 layer_cls = type(model.model.layers[0])
 applied = checkpoint_use_reentrant(model)
 if args.fsdp == "1":
-    sharded = FSDP(model, device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.FULL_SHARD,
-                   auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}),
-                   use_orig_params=True)
+    sharded = FSDP(
+        model,
+        device_id=torch.device("cpu"),
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}
+        ),
+        use_orig_params=True,
+    )
 else:
     layers = list(model.model.layers)
     for layer in layers:
@@ -99,16 +108,35 @@ loss.backward()
 backward_gathers = gathers[0] - forward_gathers
 if args.fsdp == "1":
     with FSDP.summon_full_params(sharded, with_grads=True):
-        got = {name.replace("_fsdp_wrapped_module.", ""): None if p.grad is None else p.grad.detach().clone()
-               for name, p in sharded.named_parameters() if p.requires_grad}
+        got = {
+            name.replace("_fsdp_wrapped_module.", ""): None
+            if p.grad is None
+            else p.grad.detach().clone()
+            for name, p in sharded.named_parameters()
+            if p.requires_grad
+        }
 else:
-    got = {name: None if p.grad is None else p.grad.full_tensor().detach().clone()
-           for name, p in sharded.named_parameters() if p.requires_grad}
-units = sum(type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP")) for m in sharded.modules())
-emit({"rank": rank, "world": dist.get_world_size(), "fsdp": args.fsdp, "units": units,
-      "forward_all_gathers": forward_gathers, "backward_all_gathers": backward_gathers,
-      "applied_use_reentrant": checkpoint_use_reentrant(model), "enabled_use_reentrant": applied,
-      "checkpoint_site": checkpoint_site(layer_cls),
-      **compare_grads(got, ref, atol=1e-6)})
+    got = {
+        name: None if p.grad is None else p.grad.full_tensor().detach().clone()
+        for name, p in sharded.named_parameters()
+        if p.requires_grad
+    }
+units = sum(
+    type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP")) for m in sharded.modules()
+)
+emit(
+    {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "fsdp": args.fsdp,
+        "units": units,
+        "forward_all_gathers": forward_gathers,
+        "backward_all_gathers": backward_gathers,
+        "applied_use_reentrant": checkpoint_use_reentrant(model),
+        "enabled_use_reentrant": applied,
+        "checkpoint_site": checkpoint_site(layer_cls),
+        **compare_grads(got, ref, atol=1e-6),
+    }
+)
 dist.barrier()  # no rank tears gloo down while another still talks to it
 dist.destroy_process_group()

@@ -12,6 +12,7 @@ state is set to FSDP by hand: prepare() then takes the very path it takes on GPU
 Prints one RESULT line per rank: the trainable gradients against the same weights without
 checkpointing or sharding, and the FSDP2 all-gathers in forward and in backward.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,6 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
-
 from _common import compare_grads, emit, freeze_embeddings_and_first_layer, input_ids, llama
 
 parser = argparse.ArgumentParser()
@@ -42,9 +42,13 @@ param_group.foreach_all_gather = counted  # each FSDP2 unshard of a parameter gr
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 
-plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                                        reshard_after_forward=True, activation_checkpointing=args.fsdp_ac)
+plugin = FullyShardedDataParallelPlugin(
+    fsdp_version=2,
+    auto_wrap_policy="transformer_based_wrap",
+    transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+    reshard_after_forward=True,
+    activation_checkpointing=args.fsdp_ac,
+)
 accelerator = Accelerator(cpu=True)
 accelerator.state.distributed_type = DistributedType.FSDP
 accelerator.state.fsdp_plugin = plugin
@@ -59,15 +63,20 @@ reference.train()
 embeds = reference.get_input_embeddings()(ids).detach() if frozen else None
 batch = {"inputs_embeds": embeds} if frozen else {"input_ids": ids}
 reference(**batch, labels=ids).loss.backward()
-ref = {n: p.grad.detach().clone() if p.grad is not None else None
-       for n, p in reference.named_parameters() if p.requires_grad}
+ref = {
+    n: p.grad.detach().clone() if p.grad is not None else None
+    for n, p in reference.named_parameters()
+    if p.requires_grad
+}
 
 model = llama()
 if frozen:
     freeze_embeddings_and_first_layer(model)
 model.train()
 if args.reentrant != "nogc":
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"})
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"}
+    )
 optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
 model, optimizer = accelerator.prepare(model, optimizer)
 gathers[0] = 0
@@ -86,8 +95,20 @@ except Exception as exc:  # the plain run's failure is the result
     error = f"{type(exc).__name__}: {exc}"
 layer = model.model.layers[0]
 func = getattr(layer, "_gradient_checkpointing_func", None)
-emit({"rank": rank, "world": dist.get_world_size(), "error": error, "model_class": type(model).__name__,
-      "forward_all_gathers": forward_gathers, "backward_all_gathers": gathers[0] - forward_gathers,
-      "applied_use_reentrant": (getattr(func, "keywords", None) or {}).get("use_reentrant", "unset")
-      if getattr(layer, "gradient_checkpointing", False) else "no checkpointed layer", **report})
+emit(
+    {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "error": error,
+        "model_class": type(model).__name__,
+        "forward_all_gathers": forward_gathers,
+        "backward_all_gathers": gathers[0] - forward_gathers,
+        "applied_use_reentrant": (getattr(func, "keywords", None) or {}).get(
+            "use_reentrant", "unset"
+        )
+        if getattr(layer, "gradient_checkpointing", False)
+        else "no checkpointed layer",
+        **report,
+    }
+)
 dist.destroy_process_group()

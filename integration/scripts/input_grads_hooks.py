@@ -10,12 +10,12 @@ usage: input_grads_hooks.py --case double|sft
           input grads after its own enable, and the Trainer enables again in `train`, trl#480).
 Reports the number of forward hooks on the input embeddings after each step.
 """
+
 import argparse
 import warnings
 
-import torch
-
 import _common as c
+import torch
 
 
 def hooks(model) -> int:
@@ -27,8 +27,16 @@ def double() -> dict:
 
     def build():
         torch.manual_seed(0)
-        model = get_peft_model(c.llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                     lora_dropout=0.0, task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            c.llama(),
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                target_modules=["q_proj", "v_proj"],
+                lora_dropout=0.0,
+                task_type="CAUSAL_LM",
+            ),
+        )
         model.train()
         return model
 
@@ -47,11 +55,19 @@ def double() -> dict:
     counts["after_enable_input_require_grads"] = hooks(model)
     model(input_ids=ids, labels=ids).loss.backward()
     grads = c.trainable_grads(model)
-    wrong = [n for n, g in reference.items() if grads.get(n) is None or not torch.allclose(g, grads[n], atol=1e-6)]
+    wrong = [
+        n
+        for n, g in reference.items()
+        if grads.get(n) is None or not torch.allclose(g, grads[n], atol=1e-6)
+    ]
     model.base_model.model.disable_input_require_grads()
     counts["after_disable_input_require_grads"] = hooks(model)
-    return {"hooks": counts, "trainable": len(reference), "wrong": wrong,
-            "applied_use_reentrant": c.checkpoint_use_reentrant(model)}
+    return {
+        "hooks": counts,
+        "trainable": len(reference),
+        "wrong": wrong,
+        "applied_use_reentrant": c.checkpoint_use_reentrant(model),
+    }
 
 
 def sft() -> dict:
@@ -59,22 +75,49 @@ def sft() -> dict:
 
     import trl
     from peft import LoraConfig
-
     from trl_peft import config, dataset, model_for, tokenizer
 
     tok = tokenizer()
-    targs = config(trl.SFTConfig, output_dir=tempfile.mkdtemp(prefix="gcpatch-hooks-"), max_steps=1,
-                   per_device_train_batch_size=2, learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
-                   gradient_checkpointing=True, max_length=32, dataset_num_proc=None, bf16=False, fp16=False, seed=0,
-                   disable_tqdm=True, dataloader_num_workers=0)
-    trainer = trl.SFTTrainer(model=model_for(tok), args=targs, train_dataset=dataset("sft"), processing_class=tok,
-                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                    lora_dropout=0.0, task_type="CAUSAL_LM"))
+    targs = config(
+        trl.SFTConfig,
+        output_dir=tempfile.mkdtemp(prefix="gcpatch-hooks-"),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=True,
+        max_length=32,
+        dataset_num_proc=None,
+        bf16=False,
+        fp16=False,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = trl.SFTTrainer(
+        model=model_for(tok),
+        args=targs,
+        train_dataset=dataset("sft"),
+        processing_class=tok,
+        peft_config=LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+        ),
+    )
     counts = {"after_init": hooks(trainer.model)}
     trainer.train()
     counts["after_train"] = hooks(trainer.model)
-    return {"hooks": counts, "trl": trl.__version__, "global_step": trainer.state.global_step,
-            "applied_use_reentrant": c.checkpoint_use_reentrant(trainer.model)}
+    return {
+        "hooks": counts,
+        "trl": trl.__version__,
+        "global_step": trainer.state.global_step,
+        "applied_use_reentrant": c.checkpoint_use_reentrant(trainer.model),
+    }
 
 
 def main() -> None:

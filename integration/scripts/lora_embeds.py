@@ -8,12 +8,13 @@ usage: lora_embeds.py --order before|after
 The reference is a no-checkpointing run of an identical PeftModel (same base weights and the same
 LoRA weights, copied by state_dict) on the same batch.
 """
+
 import argparse
 import warnings
 
+import _common as c
 import torch
 
-import _common as c
 
 def loss_and_backward(model, ids, embeds):
     model.zero_grad(set_to_none=True)
@@ -61,13 +62,20 @@ def main() -> None:
         error = f"{type(exc).__name__}: {exc}"[:600]
         error_type = type(exc).__name__
         cmp, loss_equal = {}, None
-    c.emit({
-        "scenario": "lora_embeds", "order": args.order, **cmp, "error": error, "error_type": error_type,
-        "error_stage": stage if error else None,
-        "loss_equal": loss_equal,
-        "applied_use_reentrant": c.checkpoint_use_reentrant(model),
-        "use_cache": model.config.use_cache, "peft": __import__("peft").__version__,
-    })
+    c.emit(
+        {
+            "scenario": "lora_embeds",
+            "order": args.order,
+            **cmp,
+            "error": error,
+            "error_type": error_type,
+            "error_stage": stage if error else None,
+            "loss_equal": loss_equal,
+            "applied_use_reentrant": c.checkpoint_use_reentrant(model),
+            "use_cache": model.config.use_cache,
+            "peft": __import__("peft").__version__,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -5,15 +5,15 @@ hidden 32) and a byte-level BPE tokenizer trained on the data, both saved with s
 usage: make_tiny_llama.py OUTDIR    -> OUTDIR/{config.json, model.safetensors, tokenizer.json, ..., alpaca.jsonl}
 prints one line: RESULT {json}
 """
+
 import json
 import os
 import sys
 
+import _common as c
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-import _common as c
 
 ROWS = [
     ("Give a synonym.", "happy", "glad"),
@@ -46,26 +46,47 @@ def main(out: str) -> None:
     data = os.path.join(out, "alpaca.jsonl")
     with open(data, "w") as handle:
         for instruction, inp, output in ROWS:
-            handle.write(json.dumps({"instruction": instruction, "input": inp, "output": output}) + "\n")
+            handle.write(
+                json.dumps({"instruction": instruction, "input": inp, "output": output}) + "\n"
+            )
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([text for row in ROWS for text in row] + PROMPTS, trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", bos)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                        pad_token="<pad>", model_max_length=256)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=256,
+    )
     tokenizer.save_pretrained(out)
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     c.emit({"dir": out, "vocab": len(tokenizer), "rows": len(ROWS), "dataset": data})
 

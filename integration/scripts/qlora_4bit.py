@@ -10,14 +10,14 @@ usage: qlora_4bit.py --prepare no|yes
 The reference is a no-checkpointing run of the same quantized PeftModel (same LoRA weights, copied)
 on the same batch, fed input_ids.
 """
+
 import argparse
 import os
 import tempfile
 import warnings
 
-import torch
-
 import _common as c
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,8 +30,9 @@ def load_4bit(path):
     bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
     # `dtype` from transformers 4.56 (modeling_utils.from_pretrained); `torch_dtype` before
     name = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb, device_map="cpu",
-                                                **{name: torch.float32})
+    return AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=bnb, device_map="cpu", **{name: torch.float32}
+    )
 
 
 def loss_and_backward(model, ids):
@@ -80,11 +81,18 @@ def main() -> None:
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"[:400]
         cmp, loss_equal = {}, None
-    c.emit({
-        "scenario": "qlora_4bit", "prepare": args.prepare, "quantized_linear": quant, **cmp, "error": error,
-        "loss_equal": loss_equal, "applied_use_reentrant": c.checkpoint_use_reentrant(model),
-        "use_cache": model.config.use_cache,
-    })
+    c.emit(
+        {
+            "scenario": "qlora_4bit",
+            "prepare": args.prepare,
+            "quantized_linear": quant,
+            **cmp,
+            "error": error,
+            "loss_equal": loss_equal,
+            "applied_use_reentrant": c.checkpoint_use_reentrant(model),
+            "use_cache": model.config.use_cache,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -5,15 +5,15 @@ does its forward return a KV cache? Ordinary user code: nothing here imports gcp
 
 usage: save_after_training.py    prints one line: RESULT {json}
 """
+
 from __future__ import annotations
 
 import json
 import os
 import tempfile
 
-import torch
-
 import _common as c
+import torch
 
 
 def saved(model, directory: str) -> dict:
@@ -48,15 +48,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = trained(c.llama())
         files = saved(model, os.path.join(tmp, "llama"))
-        result["llama"] = {"files": files, "live_use_cache": model.config.use_cache,
-                           "json_string_use_cache": json.loads(model.config.to_json_string())["use_cache"],
-                           "reload_cache": reloaded_returns_cache(os.path.join(tmp, "llama"))}
+        result["llama"] = {
+            "files": files,
+            "live_use_cache": model.config.use_cache,
+            "json_string_use_cache": json.loads(model.config.to_json_string())["use_cache"],
+            "reload_cache": reloaded_returns_cache(os.path.join(tmp, "llama")),
+        }
         # LoRA, asked non-reentrant so that plain transformers 4.x trains it too
-        peft_model = trained(c.lora(c.llama()), gradient_checkpointing_kwargs={"use_reentrant": False})
+        peft_model = trained(
+            c.lora(c.llama()), gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
         merged = peft_model.merge_and_unload()
         files = saved(merged, os.path.join(tmp, "merged"))
-        result["lora_merged"] = {"files": files, "live_use_cache": merged.config.use_cache,
-                                 "reload_cache": reloaded_returns_cache(os.path.join(tmp, "merged"))}
+        result["lora_merged"] = {
+            "files": files,
+            "live_use_cache": merged.config.use_cache,
+            "reload_cache": reloaded_returns_cache(os.path.join(tmp, "merged")),
+        }
     c.emit(result)
 
 

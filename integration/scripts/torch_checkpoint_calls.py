@@ -12,6 +12,7 @@ transformers): the calls gcpatch meets only at the checkpoint call.
 
 Ordinary user code: nothing here imports gcpatch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,11 @@ RUNS: dict[str, int] = {}
 def policy(ctx, op, *a, **k):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if op is torch.ops.aten.addmm.default
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
 
 
 class Inner(nn.Module):
@@ -93,7 +98,11 @@ def step(ckpt):
     out = model(ids, ckpt)
     grad_fns = sorted({type(t.grad_fn).__name__ for t in [out]})
     out.float().pow(2).mean().backward()
-    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters() if p.requires_grad}
+    grads = {
+        n: (None if p.grad is None else p.grad.clone())
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
     return grads, dict(RUNS), grad_fns
 
 
@@ -103,8 +112,12 @@ def main():
     try:
         got, runs, _ = step(call(args.case))
         wrong = sorted(n for n in ref if got[n] is None or not torch.equal(got[n], ref[n]))
-        result.update(trainable=len(ref), wrong=len(wrong), wrong_names=wrong,
-                      inner_runs_per_block=runs.get("inner", 0) / 3)
+        result.update(
+            trainable=len(ref),
+            wrong=len(wrong),
+            wrong_names=wrong,
+            inner_runs_per_block=runs.get("inner", 0) / 3,
+        )
         # which variant really ran: reentrant leaves CheckpointFunctionBackward in the graph
         torch.manual_seed(0)
         model = Net()

@@ -8,15 +8,15 @@ usage: python -m torch.distributed.run --nproc_per_node=2 verify_ddp.py --find-u
   no:  DDP(model): reentrant is kept (no rule applies); verify's own backward runs reentrant
   yes: DDP(model, find_unused_parameters=True): gcpatch's R4 switches to non-reentrant
 """
+
 import argparse
 import os
 import warnings
 
+import _common as c
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import _common as c
 from verify_train import digest, llama, optimizer_tensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,10 +47,19 @@ def main() -> None:
             first = digest(p.grad for p in model.parameters())
         opt.step()
         losses.append(loss.item())
-    c.emit({"scenario": "verify_ddp", "rank": rank, "world": dist.get_world_size(), "losses": losses,
-            "first_step_grads": first, "params_after": digest(model.parameters()),
-            "optimizer_state": digest(optimizer_tensors(opt)), "rng_after": torch.rand(4).tolist(),
-            "applied_use_reentrant": c.checkpoint_use_reentrant(model)})
+    c.emit(
+        {
+            "scenario": "verify_ddp",
+            "rank": rank,
+            "world": dist.get_world_size(),
+            "losses": losses,
+            "first_step_grads": first,
+            "params_after": digest(model.parameters()),
+            "optimizer_state": digest(optimizer_tensors(opt)),
+            "rng_after": torch.rand(4).tolist(),
+            "applied_use_reentrant": c.checkpoint_use_reentrant(model),
+        }
+    )
     dist.barrier()
     c.end_ranks()
 

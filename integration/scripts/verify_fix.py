@@ -10,6 +10,7 @@ Prints the first step's figures as digests, so that two runs compare bit for bit
 the optimizer state after the step, the loss, and the RNG state after the step; and how many
 trainable tensors got no gradient.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,7 +69,9 @@ def digest(tensors) -> str:
 model = build()
 model.train()
 if not args.no_checkpointing:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"})
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"}
+    )
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 torch.manual_seed(5)
 ids = torch.randint(0, model.config.vocab_size, (4, 12))
@@ -79,8 +82,18 @@ missing = sum(1 for g in grads if g is None)
 grad_digest = digest(grads)
 optimizer.step()
 state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-print("RESULT " + json.dumps({
-    "trainable": len(grads), "missing": missing, "grads": grad_digest, "loss": loss.item(),
-    "optimizer_state": digest(state), "params_after": digest(list(model.parameters())),
-    "rng_after": digest([torch.get_rng_state()]),
-}), flush=True)
+print(
+    "RESULT "
+    + json.dumps(
+        {
+            "trainable": len(grads),
+            "missing": missing,
+            "grads": grad_digest,
+            "loss": loss.item(),
+            "optimizer_state": digest(state),
+            "params_after": digest(list(model.parameters())),
+            "rng_after": digest([torch.get_rng_state()]),
+        }
+    ),
+    flush=True,
+)

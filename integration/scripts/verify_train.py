@@ -11,6 +11,7 @@ usage: verify_train.py --setup frozen|kwargs|eval|lora|qlora
   lora:   Llama + LoRA (get_peft_model after gradient_checkpointing_enable, use_reentrant=True)
   qlora:  4-bit Llama (bitsandbytes on CPU) + LoRA, gradient_checkpointing_enable()
 """
+
 import argparse
 import hashlib
 import os
@@ -18,9 +19,8 @@ import random
 import tempfile
 import warnings
 
-import torch
-
 import _common as c
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -29,17 +29,34 @@ def llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=c.VOCAB, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        attention_dropout=0.1, tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=c.VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_dropout=0.1,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def lora(model, dropout: float = 0.1):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(123)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                  lora_dropout=dropout, task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            lora_dropout=dropout,
+            task_type="CAUSAL_LM",
+        ),
+    )
     with torch.no_grad():  # non-zero B, so every LoRA tensor gets a non-trivial gradient
         gen = torch.Generator().manual_seed(7)
         for name, p in peft_model.named_parameters():
@@ -78,8 +95,9 @@ def build(setup: str):
         path = tempfile.mkdtemp(prefix="verify-qlora-")
         llama().save_pretrained(path)
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb, device_map="cpu",
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=bnb, device_map="cpu", dtype=torch.float32
+        )
         model.gradient_checkpointing_enable()
         model = lora(model)
         model.train()
@@ -106,7 +124,9 @@ def optimizer_tensors(opt):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--setup", required=True, choices=("frozen", "kwargs", "eval", "lora", "qlora"))
+    parser.add_argument(
+        "--setup", required=True, choices=("frozen", "kwargs", "eval", "lora", "qlora")
+    )
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -128,14 +148,22 @@ def main() -> None:
             first_grad_digest = digest(first_grads)
         opt.step()
         losses.append(loss.item())
-    c.emit({
-        "scenario": "verify_train", "setup": args.setup, "losses": losses,
-        "first_step_grads": first_grad_digest, "first_step_grad_none": grads_none,
-        "params_after": digest(p for _, p in trainable), "optimizer_state": digest(optimizer_tensors(opt)),
-        "rng_after": torch.rand(4).tolist(), "python_rng_after": random.random(),
-        "trainable": len(trainable), "training": model.training,
-        "applied_use_reentrant": c.checkpoint_use_reentrant(model),
-    })
+    c.emit(
+        {
+            "scenario": "verify_train",
+            "setup": args.setup,
+            "losses": losses,
+            "first_step_grads": first_grad_digest,
+            "first_step_grad_none": grads_none,
+            "params_after": digest(p for _, p in trainable),
+            "optimizer_state": digest(optimizer_tensors(opt)),
+            "rng_after": torch.rand(4).tolist(),
+            "python_rng_after": random.random(),
+            "trainable": len(trainable),
+            "training": model.training,
+            "applied_use_reentrant": c.checkpoint_use_reentrant(model),
+        }
+    )
 
 
 if __name__ == "__main__":

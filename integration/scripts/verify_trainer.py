@@ -7,15 +7,15 @@ run with GCPATCH_VERIFY=1 can be compared with one without.
 usage: verify_trainer.py --trainer hf|sft
    or: python -m torch.distributed.run --nproc_per_node=2 verify_trainer.py --trainer hf  (DDP, gloo)
 """
+
 import argparse
 import os
 import tempfile
 import warnings
 
+import _common as c
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
-
-import _common as c
 from verify_train import digest, llama
 
 
@@ -47,13 +47,28 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     capture = FirstStep()
     out = tempfile.mkdtemp(prefix="verify-trainer-")
-    common = dict(output_dir=out, gradient_checkpointing=True, max_steps=2, per_device_train_batch_size=4,
-                  report_to=[], use_cpu=True, learning_rate=1e-2, save_strategy="no", logging_steps=1,
-                  disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    common = dict(
+        output_dir=out,
+        gradient_checkpointing=True,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        learning_rate=1e-2,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     if args.trainer == "hf":
         model = llama()
-        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=Batches(),
-                          callbacks=[capture])
+        trainer = Trainer(
+            model=model,
+            args=TrainingArguments(**common),
+            train_dataset=Batches(),
+            callbacks=[capture],
+        )
     else:
         import trl
         from peft import LoraConfig
@@ -61,19 +76,38 @@ def main() -> None:
 
         tok = tokenizer()
         model = model_for(tok)
-        targs = config(trl.SFTConfig, **common, max_length=32, dataset_num_proc=None, bf16=False, fp16=False)
-        trainer = trl.SFTTrainer(model=model, args=targs, train_dataset=dataset("sft"), processing_class=tok,
-                                 peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                        lora_dropout=0.1, task_type="CAUSAL_LM"),
-                                 callbacks=[capture])
+        targs = config(
+            trl.SFTConfig, **common, max_length=32, dataset_num_proc=None, bf16=False, fp16=False
+        )
+        trainer = trl.SFTTrainer(
+            model=model,
+            args=targs,
+            train_dataset=dataset("sft"),
+            processing_class=tok,
+            peft_config=LoraConfig(
+                r=4,
+                lora_alpha=8,
+                target_modules=["q_proj", "v_proj"],
+                lora_dropout=0.1,
+                task_type="CAUSAL_LM",
+            ),
+            callbacks=[capture],
+        )
     trainer.train()
     trained = trainer.model
-    c.emit({"scenario": "verify_trainer", "trainer": args.trainer, "rank": int(os.environ.get("RANK", 0)), "first_step_grads": capture.grads,
+    c.emit(
+        {
+            "scenario": "verify_trainer",
+            "trainer": args.trainer,
+            "rank": int(os.environ.get("RANK", 0)),
+            "first_step_grads": capture.grads,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "params_after": digest(p for p in trained.parameters() if p.requires_grad),
             "rng_after": torch.rand(4).tolist(),
             "trainable": sum(1 for p in trained.parameters() if p.requires_grad),
-            "applied_use_reentrant": c.checkpoint_use_reentrant(trained)})
+            "applied_use_reentrant": c.checkpoint_use_reentrant(trained),
+        }
+    )
 
 
 if __name__ == "__main__":

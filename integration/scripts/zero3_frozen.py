@@ -17,13 +17,13 @@ engine.backward, before engine.step) is saved to grads.pt in the working directo
 names that file and carries the 2 losses (or the exception). Compare a checkpointed run's file with
 the nogc run's: every tensor must match.
 """
+
 import argparse
 import os
 import warnings
 
-import torch
-
 import _common as c
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -47,8 +47,15 @@ def main() -> None:
     dschf = HfDeepSpeedConfig(config)  # noqa: F841  (must stay alive: makes from_config use zero.Init)
 
     torch.manual_seed(0)
-    mconfig = LlamaConfig(vocab_size=c.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    mconfig = LlamaConfig(
+        vocab_size=c.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     model = AutoModelForCausalLM.from_config(mconfig)
     partitioned = getattr(model.model.layers[1].self_attn.q_proj.weight, "ds_id", None) is not None
     # frozen embeddings and attention, trainable MLPs and norms: every checkpointed block holds frozen
@@ -62,7 +69,9 @@ def main() -> None:
     if args.reentrant == "unset":
         model.gradient_checkpointing_enable()
     elif args.reentrant in ("true", "false"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"}
+        )
     applied = c.checkpoint_use_reentrant(model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([p for _, p in named], lr=1e-2)
@@ -89,10 +98,21 @@ def main() -> None:
         error = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:600]
     path = os.path.abspath("grads.pt")
     torch.save(grads, path)
-    c.emit({"scenario": "zero3_frozen", "reentrant": args.reentrant, "input": args.input, "losses": losses, "error": error,
-            "zero3_partitioned_at_build": partitioned, "applied_use_reentrant": applied,
-            "trainable": len(named), "grads_file": path if grads else None,
-            "grad_none": sum(1 for g in grads.values() if g is None), "deepspeed": deepspeed.__version__})
+    c.emit(
+        {
+            "scenario": "zero3_frozen",
+            "reentrant": args.reentrant,
+            "input": args.input,
+            "losses": losses,
+            "error": error,
+            "zero3_partitioned_at_build": partitioned,
+            "applied_use_reentrant": applied,
+            "trainable": len(named),
+            "grads_file": path if grads else None,
+            "grad_none": sum(1 for g in grads.values() if g is None),
+            "deepspeed": deepspeed.__version__,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ usage: DS_ACCELERATOR=cpu MASTER_ADDR=127.0.0.1 MASTER_PORT=<free> RANK=0 WORLD_
 Each run prints one RESULT line with the 2 losses (or the exception). Compare the losses of a
 checkpointed run with the nogc run's losses: they must match.
 """
+
 import argparse
 import os
 import warnings
 
-import torch
-
 import _common as c
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -45,18 +45,36 @@ def main() -> None:
     dschf = HfDeepSpeedConfig(config)  # noqa: F841  (must stay alive: makes from_config use zero.Init)
 
     torch.manual_seed(0)
-    mconfig = LlamaConfig(vocab_size=c.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2)
+    mconfig = LlamaConfig(
+        vocab_size=c.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = AutoModelForCausalLM.from_config(mconfig)
-    partitioned = bool(getattr(model.model.layers[0].self_attn.q_proj.weight, "ds_id", None) is not None)
+    partitioned = bool(
+        getattr(model.model.layers[0].self_attn.q_proj.weight, "ds_id", None) is not None
+    )
     model.train()
     if args.reentrant == "unset":
         model.gradient_checkpointing_enable()
     elif args.reentrant in ("true", "false"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": args.reentrant == "true"}
+        )
     torch.manual_seed(123)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                             lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+        ),
+    )
     applied = c.checkpoint_use_reentrant(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr)
@@ -73,10 +91,19 @@ def main() -> None:
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         error = error.replace("\n", " ")[:600]
-    c.emit({"scenario": "zero3_lora", "reentrant": args.reentrant, "losses": losses, "error": error,
-            "zero3_partitioned_at_build": partitioned, "applied_use_reentrant": applied,
-            "deepspeed": deepspeed.__version__, "lr": args.lr,
-            "peft": __import__("peft").__version__})
+    c.emit(
+        {
+            "scenario": "zero3_lora",
+            "reentrant": args.reentrant,
+            "losses": losses,
+            "error": error,
+            "zero3_partitioned_at_build": partitioned,
+            "applied_use_reentrant": applied,
+            "deepspeed": deepspeed.__version__,
+            "lr": args.lr,
+            "peft": __import__("peft").__version__,
+        }
+    )
 
 
 if __name__ == "__main__":

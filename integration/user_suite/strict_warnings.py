@@ -1,6 +1,7 @@
 """A user's own test suite that treats every warning as an error (`-W error`, as `filterwarnings =
 error` does), run by integration/test_quiet_in_pytest.py plainly and under GCPATCH=1: gcpatch adds
 no warning to the session and no ERROR line for an exception the test expects and catches."""
+
 import os
 import sys
 

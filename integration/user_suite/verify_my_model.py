@@ -2,6 +2,7 @@
 `gcpatch_verify` fixture comes from gcpatch's pytest11 entry point. Run by
 integration/test_pytest_plugin.py in a fresh pytest process; the failing tests are meant to fail
 (their messages are what the user reads)."""
+
 import os
 import sys
 

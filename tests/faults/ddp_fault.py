@@ -2,6 +2,7 @@
 DDP(find_unused_parameters=True) (R4's set-up), one training step compared with the same DDP model
 without checkpointing. Ordinary user code: gcpatch comes in through GCPATCH=1, the fault through
 the fault kit's plugin (FAULT_HOOK / FAULT_RANK). Each rank writes RESULT_DIR/rank<N>.json."""
+
 import json
 import os
 import warnings
@@ -16,8 +17,16 @@ warnings.filterwarnings("ignore")
 
 def llama():
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2)).train()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).train()
 
 
 def checkpoint_use_reentrant(model):
@@ -48,8 +57,11 @@ def main():
         for _ in range(2):  # the second step is where "marked ready twice" shows with reentrant
             ddp.zero_grad(set_to_none=True)
             ddp(input_ids=ids, labels=ids).loss.backward()
-        errs = [(p.grad - r.grad).abs().max().item() if p.grad is not None else float("inf")
-                for p, r in zip(ddp.module.parameters(), ref.module.parameters()) if r.grad is not None]
+        errs = [
+            (p.grad - r.grad).abs().max().item() if p.grad is not None else float("inf")
+            for p, r in zip(ddp.module.parameters(), ref.module.parameters())
+            if r.grad is not None
+        ]
         result["max_grad_err"] = max(errs)
     except Exception as exc:  # noqa: BLE001
         result["error"] = f"{type(exc).__name__}: {exc}"[:1500]

@@ -3,6 +3,7 @@ every (hook, kind) the engine is restarted with the fault set, and the user's co
 usual: a tiny Llama with frozen embeddings fed inputs_embeds, checkpointed with use_reentrant=True
 (R1's set-up),
 one step compared with the same model without checkpointing. One RESULT line per case."""
+
 import json
 import logging
 import os
@@ -16,7 +17,11 @@ from gcpatch import engine
 from gcpatch.errors import GcpatchError
 
 warnings.filterwarnings("ignore")
-CASES = [(hook, kind) for hook in ("info", "patch_points", "vote") for kind in ("raise", "garbage", "wrong_type")]
+CASES = [
+    (hook, kind)
+    for hook in ("info", "patch_points", "vote")
+    for kind in ("raise", "garbage", "wrong_type")
+]
 CASES += [("wrapper", "raise"), ("", "")]  # the last: no fault, the control
 
 
@@ -32,8 +37,16 @@ class Lines(logging.Handler):
 
 def llama():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     model.model.embed_tokens.requires_grad_(False)
     return model.train()
 
@@ -67,9 +80,13 @@ def main():
             engine.start()
             import faulty_target
 
-            result["work"] = [faulty_target.work(i) for i in range(4)]  # four calls through the patch point
+            result["work"] = [
+                faulty_target.work(i) for i in range(4)
+            ]  # four calls through the patch point
             got = grads(llama(), checkpoint=True)
-            result["wrong_grads"] = sum(1 for n, g in got.items() if g is None or not torch.allclose(g, reference[n]))
+            result["wrong_grads"] = sum(
+                1 for n, g in got.items() if g is None or not torch.allclose(g, reference[n])
+            )
         except GcpatchError as exc:
             result["error"] = f"GcpatchError: {exc}"
         except Exception as exc:  # noqa: BLE001 (the host crashed: the suite counts it)

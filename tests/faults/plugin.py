@@ -8,10 +8,10 @@ entry point) on PYTHONPATH. The environment picks the fault:
 When no fault applies it is a well-behaved plugin with one patch point (faulty_target.work) and
 no votes.
 """
+
 import os
 
 from gcpatch.plugin import REQUIRED, USE_REENTRANT, PatchPoint, PluginInfo, Vote, hookimpl
-
 
 
 def _env():
@@ -45,7 +45,10 @@ def gcpatch_plugin_info():
 
 @hookimpl
 def gcpatch_patch_points():
-    return _fault("patch_points", [PatchPoint("faulty_target", "work", _wrapper, why="the fault kit's own target")])
+    return _fault(
+        "patch_points",
+        [PatchPoint("faulty_target", "work", _wrapper, why="the fault kit's own target")],
+    )
 
 
 @hookimpl

@@ -2,6 +2,7 @@
 every decision). Each case: a tiny Llama with frozen embeddings enables checkpointing with
 use_reentrant=True and trains one step; the RESULT line says whether it trained, what R1 applied,
 and which gcpatch lines appeared. The parent test checks the files around each hazard."""
+
 import json
 import logging
 import os
@@ -26,8 +27,16 @@ class Lines(logging.Handler):
 
 def step():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2)).train()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).train()
     model.model.embed_tokens.requires_grad_(False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     ids = torch.randint(0, 64, (2, 8))

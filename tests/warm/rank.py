@@ -4,6 +4,7 @@ listening on SOCKET to run the script with that environment, cwd and this proces
 the signals torchrun sends, and ends as the rank ended (its exit status, or the same signal), so
 that torchrun sees what it would have seen of a rank it started itself.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,17 @@ import signal
 import socket
 import sys
 
+
 def main() -> int:
     path, script = sys.argv[1], sys.argv[2:]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
-    request = {"argv": [sys.executable, *script], "cwd": os.getcwd(), "env": dict(os.environ), "unbuffered": True}
+    request = {
+        "argv": [sys.executable, *script],
+        "cwd": os.getcwd(),
+        "env": dict(os.environ),
+        "unbuffered": True,
+    }
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     answers = conn.makefile("rb")
     pid = json.loads(answers.readline())["pid"]

@@ -10,6 +10,7 @@ ends (C as subprocess gives it: negative for a signal). A client that goes away 
 child with it (SIGKILL to the child's process group). EOF on the server's stdin (its owner ended)
 stops the server and every child still running.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,8 +28,17 @@ import types
 
 # What the scripts import first, and most of their cost (about 5 s of CPU together); a module that is
 # not installed is left out. GCPATCH_TEST_WARM_PRELOAD (comma-separated) names others instead.
-PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.trainer", "peft",
-           "datasets", "accelerate", "deepspeed", "colossalai.booster")
+PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.trainer",
+    "peft",
+    "datasets",
+    "accelerate",
+    "deepspeed",
+    "colossalai.booster",
+)
 MAX_REQUEST = 1 << 20
 
 
@@ -122,8 +132,9 @@ def _become(request: dict, fds: list[int]) -> None:
         os.set_inheritable(fd, True)
     if request.get("unbuffered"):  # python -u, as torchrun starts its ranks
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                      errors="backslashreplace")
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+        )
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's stdin, as the interpreter opens it
     os.chdir(request["cwd"])
     os.environ.clear()
