@@ -12,7 +12,7 @@ and each call site is recorded and logged once.
 from __future__ import annotations
 
 import contextvars
-import functools
+import importlib
 import logging
 import sys
 import weakref
@@ -21,15 +21,27 @@ from typing import Any, Callable
 
 import wrapt
 
-from gcpatch import engine, patching, record, reentrant_grads, resolve, settings
+from gcpatch import (
+    call_facts,
+    call_rewrites,
+    engine,
+    patching,
+    record,
+    reentrant_grads,
+    resolve,
+    settings,
+)
+from gcpatch.call_facts import TRACKED
 from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import named_modules
 from gcpatch.schema import (
     DEFAULT,
+    GRAD_INPUT,
     LIFT_BOUND_TENSORS,
     REQUIRED,
     RUN_INLINE,
+    TUPLE_OUTPUTS,
     USE_REENTRANT,
     USER,
     CallFacts,
@@ -57,6 +69,10 @@ _depth: contextvars.ContextVar[int] = contextvars.ContextVar("gcpatch_checkpoint
 _covered: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 _outcomes: dict[tuple, _Outcome] = {}
 _reported_sites: set[tuple] = set()
+# Functions (call_facts.code_key) whose first reentrant result was looked at, and what those whose
+# result reentrant could not track returned (CK7).
+_probed: set[Any] = set()
+_untracked: dict[Any, str] = {}
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,8 @@ class _Outcome:
     use_reentrant: bool | None = None  # the value to run with; None: as called
     inline: bool = False  # run the function directly (CK2)
     lift: bool = False  # pass the partial's bound graph tensors as positional inputs (CK5)
+    grad_input: bool = False  # one more input that requires grad, reentrant kept (CK1)
+    tuple_outputs: bool = False  # the result through the checkpoint as a flat tuple (CK7)
     rules: tuple[str, ...] = ()
     decision: Decision | None = None
     facts: CallFacts | None = None
@@ -112,29 +130,106 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
     if not args or _compiling():
         return original(*args, **kwargs)
     function = args[0]
+    key = None
     try:
-        outcome = _outcome_of(function, args, kwargs)
+        asked = kwargs.get(USE_REENTRANT)
+        if asked is None or asked:  # what a reentrant call's function returned is kept by its key
+            key = call_facts.code_key(function)
+        untracked = _untracked.get(key, TRACKED) if _untracked and key is not None else TRACKED
+        outcome = _outcome_of(function, args, kwargs, untracked)
     except GcpatchError:
         raise
     except Exception as exc:  # noqa: BLE001 (fail open: the call runs as made, one line)
-        outcome = _failed_open(exc)
-    if outcome is not _AS_CALLED:
-        if outcome.inline:
-            return function(
-                *args[1:], **{k: v for k, v in kwargs.items() if k not in CHECKPOINT_KWARGS}
-            )
-        if outcome.use_reentrant is not None:
-            kwargs = {**kwargs, USE_REENTRANT: outcome.use_reentrant}
-        elif outcome.lift:
-            function, rest = _lift(function, args, _torch)
-            args = (function, *rest)
+        key, outcome = None, _failed_open(exc)
+    if outcome.inline:
+        inner = {k: v for k, v in kwargs.items() if k not in CHECKPOINT_KWARGS}
+        return function(*args[1:], **inner)
+    decided = outcome.use_reentrant
+    runs_reentrant = (
+        decided if decided is not None else kwargs.get(USE_REENTRANT, True) is not False
+    )
+    if runs_reentrant and key is not None and _torch.is_grad_enabled():
+        return _checked_result(original, args, kwargs, outcome, key)
+    return _checkpoint(original, args, kwargs, outcome)
+
+
+def _checkpoint(original: Callable[..., Any], args: tuple, kwargs: dict, outcome: _Outcome) -> Any:
+    """torch's checkpoint, called as `outcome` says: use_reentrant, and the rewrites that keep a
+    reentrant call exact (gcpatch/call_rewrites.py)."""
+    function, rest = args[0], args[1:]
+    if outcome.use_reentrant is not None:
+        kwargs = {**kwargs, USE_REENTRANT: outcome.use_reentrant}
+    elif outcome.lift:
+        function, rest = call_rewrites.lift(function, args, _torch.Tensor)
+    elif outcome.grad_input:
+        function, rest = call_rewrites.with_grad_input(function, rest, _torch)
+    rebuild = None
+    if outcome.tuple_outputs:
+        function, rebuild = call_rewrites.as_tuple(function, _pytree())
     if kwargs.get(USE_REENTRANT, True) is not False:
         reentrant_grads.reentrant_ran()  # CK6 looks at graphs only once a reentrant checkpoint ran
     if (
         USE_REENTRANT not in kwargs
-    ):  # torch warns with stacklevel=2: let it name the caller, not gcpatch
-        return call_from(user_frame(), original, (_inside_checkpoint(function), *args[1:]), kwargs)
-    return original(_inside_checkpoint(function), *args[1:], **kwargs)
+    ):  # torch warns with stacklevel=2: it names the caller, not gcpatch
+        result = call_from(user_frame(), original, (_inside_checkpoint(function), *rest), kwargs)
+    else:
+        result = original(_inside_checkpoint(function), *rest, **kwargs)
+    return result if rebuild is None else rebuild(result)
+
+
+def _checked_result(
+    original: Callable[..., Any], args: tuple, kwargs: dict, outcome: _Outcome, key: Any
+) -> Any:
+    """A reentrant call's result shows whether reentrant could track it (CK7: tensors inside a
+    dict, list or ModelOutput come back without a graph). Where it could not, the call is decided
+    again with that fact and run again as decided: the forward the step keeps is the second, the
+    first left no graph. A function's first call starts from an RNG snapshot, so its second run
+    draws what the first drew (dropout); a later call whose result changed shape runs again from
+    where the first left the RNG, and the record says so."""
+    restore = None
+    if key not in _probed:
+        _probed.add(key)
+        restore = call_rewrites.rng_snapshot(_torch, args[1:])
+    result = _checkpoint(original, args, kwargs, outcome)
+    if outcome.tuple_outputs or call_facts.tracked_quickly(result, _torch.Tensor):
+        return result
+    try:
+        seen = call_facts.untracked_outputs(result, _torch.Tensor, _pytree())
+        if seen == TRACKED:
+            return result
+        _untracked[key] = seen
+        again = _outcome_of(args[0], args, kwargs, seen)
+    except GcpatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (fail open: the first result stands, one line)
+        _failed_open(exc)
+        return result
+    if again is outcome or again.inline:
+        return result
+    del result
+    if restore is not None:
+        restore()
+    else:
+        _say_rng_not_rewound(args[0])
+    return _checkpoint(original, args, kwargs, again)
+
+
+def _say_rng_not_rewound(function: Any) -> None:
+    name = getattr(function, "__qualname__", type(function).__name__)
+    if ("rng", name) in _reported_sites:
+        return
+    _reported_sites.add(("rng", name))
+    text = (
+        f"gcpatch: a checkpoint call of {name} returned tensors reentrant cannot track after"
+        " earlier calls of it did not; it ran again as decided (CK7) without its RNG snapshot, so"
+        " a dropout mask of that call may differ from a plain run's"
+    )
+    log.info("%s", text)
+    record.event({"stage": "call", "line": text, "rule": "CK7"}, settings.read().record_dir)
+
+
+def _pytree() -> Any:
+    return sys.modules.get("torch.utils._pytree") or importlib.import_module("torch.utils._pytree")
 
 
 def _eager_under_dynamo(eval_frame: Any) -> None:
@@ -157,7 +252,10 @@ def _eager_under_dynamo(eval_frame: Any) -> None:
         for code in (
             patching.FUNCTION_WRAPPER_CODE,
             run.__code__,
+            _checkpoint.__code__,
+            _checked_result.__code__,
             _inside_checkpoint(len).__code__,
+            *call_rewrites.codes(),
         ):
             skip_code(code)
     except Exception as exc:  # noqa: BLE001 - inside the host's import of torch._dynamo: never raise there
@@ -179,7 +277,7 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _outcome_of(function: Any, args: tuple, kwargs: dict) -> _Outcome:
+def _outcome_of(function: Any, args: tuple, kwargs: dict, untracked: str) -> _Outcome:
     torch = _torch or _bind_torch()
     nested = _depth.get() > 0
     asked = kwargs.get("use_reentrant")
@@ -193,24 +291,24 @@ def _outcome_of(function: Any, args: tuple, kwargs: dict) -> _Outcome:
     grad = torch.is_grad_enabled()
     if not (nested or context or grad):
         return _AS_CALLED
-    tensor = torch.Tensor
-    inputs_grad = any(isinstance(a, tensor) and a.requires_grad for a in args[1:])
+    tensor, rest = torch.Tensor, args[1:]
+    inputs_grad = any(isinstance(a, tensor) and a.requires_grad for a in rest)
     if (
         inputs_grad
-        and not (nested or context)
-        and not _binds_graph_tensors(function, tensor, torch.nn.Module)
+        and not (nested or context or untracked)
+        and not call_facts.binds_graph_tensors(function, tensor, torch.nn.Module)
+        and not call_facts.containers_hold_graph(rest, tensor)
     ):
-        return _AS_CALLED  # a correct reentrant call: nothing bound into it has a graph of its own
-    reach = _reach(function, torch)
+        return _AS_CALLED  # a correct reentrant call: nothing it gets has a graph reentrant misses
+    reach = call_facts.reach(function, tensor, torch.nn.Module)
+    in_containers, container_graph = call_facts.in_containers(rest, tensor)
     covered = None if nested else next((_covered[m] for m in reach.modules if m in _covered), None)
     if nested or inputs_grad:
         trainable = None
-    elif reach.bound_grad or _any_trainable(reach.modules):
+    elif reach.bound_grad or in_containers or call_facts.any_trainable(reach.modules):
         trainable = True
-    else:
-        trainable = (
-            False if reach.modules else None
-        )  # no module reached: what it uses cannot be known
+    else:  # no module reached: what it uses cannot be known
+        trainable = False if reach.modules else None
     key = (
         _as_bool(asked),
         grad,
@@ -221,6 +319,8 @@ def _outcome_of(function: Any, args: tuple, kwargs: dict) -> _Outcome:
         reach.graph_tensors,
         reach.liftable,
         covered,
+        container_graph,
+        untracked,
     )
     outcome = _outcomes.get(key) or _decide(key, torch)
     if outcome.noteworthy:
@@ -271,7 +371,8 @@ def _inside_checkpoint(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _decide(key: tuple, torch: Any) -> _Outcome:
-    asked, grad, inputs_grad, trainable, context, nested, graph, liftable, covered = key
+    asked, grad, inputs_grad, trainable, context, nested, graph, liftable, covered = key[:9]
+    container_graph, untracked = key[9:]
     facts = CallFacts(
         asked_use_reentrant=asked,
         grad_enabled=grad,
@@ -281,35 +382,42 @@ def _decide(key: tuple, torch: Any) -> _Outcome:
         nested=nested,
         bound_graph_tensors=graph,
         bound_graph_liftable=liftable,
+        container_graph_tensors=container_graph,
+        outputs_untracked=untracked,
         enable_decision=covered[1] if covered else "",
         torch_version=str(getattr(torch, "__version__", "")),
     )
     cfg = settings.read()
     try:
         votes = [_standing(facts, covered)] + engine.host().call_votes(facts)
-        decision = resolve.resolve(
-            votes, cfg.mode
-        )  # strict mode raises here, and nothing is cached
+        # strict mode raises here, and nothing is cached
+        decision = resolve.resolve(votes, cfg.mode)
     except GcpatchError:
         raise
-    except Exception as exc:  # noqa: BLE001 (fail open: decided once, as made)
-        _outcomes[key] = _failed_open(exc)  # the same facts would fail again: decided once, as made
+    except Exception as exc:  # noqa: BLE001 (fail open: the same facts would fail again)
+        _outcomes[key] = _failed_open(exc)
         return _AS_CALLED
-    changed = decision.values.get(USE_REENTRANT)
+    values = decision.values
+    changed = values.get(USE_REENTRANT)
     use_reentrant = changed if changed is not None and changed != facts.reentrant else None
-    inline = bool(decision.values.get(RUN_INLINE))
-    lift = (
-        bool(decision.values.get(LIFT_BOUND_TENSORS)) and use_reentrant is None and facts.reentrant
-    )
+    kept = use_reentrant is None and facts.reentrant  # reentrant stays: its rewrites apply
+    inline = bool(values.get(RUN_INLINE))
+    lift = kept and bool(values.get(LIFT_BOUND_TENSORS))
+    grad_input = kept and not lift and bool(values.get(GRAD_INPUT))
+    tuple_outputs = kept and bool(values.get(TUPLE_OUTPUTS))
     applied = {
         USE_REENTRANT: use_reentrant is not None,
         RUN_INLINE: inline,
         LIFT_BOUND_TENSORS: lift,
+        GRAD_INPUT: grad_input,
+        TUPLE_OUTPUTS: tuple_outputs,
     }
-    rules = tuple(v.rule for k, v in decision.winners.items() if applied.get(k))
+    rules = tuple(dict.fromkeys(v.rule for k, v in decision.winners.items() if applied.get(k)))
     if covered and use_reentrant is not None:
         _say_evidence_won(decision, covered)
-    outcome = _Outcome(use_reentrant, inline, lift, rules, decision, facts)
+    outcome = _Outcome(
+        use_reentrant, inline, lift, grad_input, tuple_outputs, rules, decision, facts
+    )
     _outcomes[key] = outcome
     return outcome
 
@@ -370,156 +478,12 @@ def _report_once(outcome: _Outcome) -> None:
         applied[RUN_INLINE] = True
     if outcome.lift:
         applied[LIFT_BOUND_TENSORS] = True
+    if outcome.grad_input:
+        applied[GRAD_INPUT] = True
+    if outcome.tuple_outputs:
+        applied[TUPLE_OUTPUTS] = True
     site = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
     record.call_site(site, outcome.facts, outcome.decision, applied, settings.read().record_dir)
-
-
-@dataclass(frozen=True)
-class _Reach:
-    """What a checkpointed function holds besides its positional inputs."""
-
-    modules: tuple[Any, ...] = ()
-    bound_grad: bool = (
-        False  # a tensor that requires grad is bound (partial, closure, default argument)
-    )
-    graph_tensors: int = 0  # ... of which this many have a graph of their own (not leaves)
-    # every such tensor is an argument of the partial itself (CK5 can pass it positionally)
-    liftable: bool = False
-
-
-_NOTHING = _Reach()
-
-
-def _reach(function: Any, torch: Any) -> _Reach:
-    """The modules and grad-requiring tensors a checkpointed function runs with besides its
-    positional inputs: the function itself, a bound method's owner, a partial's arguments and
-    keywords (transformers: `partial(forward, layer, **kwargs)`), closure cells (FSDP's reentrant
-    wrapper, hand-written `custom_forward`s) and default arguments. Bounded: a pathological closure
-    costs a few reads, never a walk of the program."""
-    tensor, module_type = torch.Tensor, torch.nn.Module
-    modules: list[Any] = []
-    bound_grad = False
-    graph = lifted = 0
-    pending: list[tuple[Any, bool]] = [(function, False)]  # (item, an argument of the top partial)
-    for _ in range(24):
-        if not pending:
-            break
-        item, top = pending.pop()
-        if isinstance(item, tensor):
-            if item.requires_grad:
-                bound_grad = True
-                if item.grad_fn is not None:
-                    graph += 1
-                    lifted += top
-        elif isinstance(item, module_type):
-            modules.append(item)
-        elif isinstance(item, functools.partial):
-            first = item is function
-            pending.append((item.func, False))
-            pending.extend((a, first) for a in item.args)
-            pending.extend((v, first) for v in item.keywords.values())
-        elif isinstance(item, (tuple, list)):
-            pending.extend((v, False) for v in item[:8])
-        elif callable(item):
-            owner = getattr(item, "__self__", None)
-            if owner is not None:
-                pending.append((owner, False))
-            code = getattr(item, "__func__", item)
-            for cell in getattr(code, "__closure__", None) or ():
-                try:
-                    pending.append((cell.cell_contents, False))
-                except ValueError:  # an empty cell: nothing bound there yet
-                    continue
-            pending.extend((d, False) for d in getattr(code, "__defaults__", None) or ())
-            pending.extend(
-                (d, False) for d in (getattr(code, "__kwdefaults__", None) or {}).values()
-            )
-    if not (modules or bound_grad):
-        return _NOTHING
-    return _Reach(tuple(modules), bound_grad, graph, bool(graph) and lifted == graph)
-
-
-def _binds_graph_tensors(function: Any, tensor: type, module_type: type) -> bool:
-    """The hot path's question for a correct reentrant call (CK5): does a tensor with a graph reach
-    the function other than positionally? Read one level deep, building nothing: a partial's
-    arguments and keywords (and tuples among them: transformers' `position_embeddings`), or a
-    function's closure cells and default arguments (a per-call closure, `def run(h=h)`). `_reach`
-    looks deeper once a call is off the hot path."""
-    if type(function) is functools.partial:
-        return _has_graph(function.keywords.values(), tensor) or _has_graph(function.args, tensor)
-    if isinstance(
-        function, module_type
-    ):  # its attributes are not read (nn.Module.__getattr__ is slow)
-        return False
-    code = getattr(function, "__func__", function)
-    cells = []
-    for cell in getattr(code, "__closure__", None) or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
-    return _has_graph(cells, tensor) or _has_graph(
-        getattr(code, "__defaults__", None) or (), tensor
-    )
-
-
-def _has_graph(values: Any, tensor: type) -> bool:
-    for value in values:
-        if isinstance(value, tensor):
-            if value.grad_fn is not None:
-                return True
-        elif type(value) is tuple:
-            for item in value:
-                if isinstance(item, tensor) and item.grad_fn is not None:
-                    return True
-    return False
-
-
-def _lift(function: Any, args: tuple, torch: Any) -> tuple[Any, tuple]:
-    """CK5: the partial's grad-requiring tensors that have a graph become positional inputs of the
-    checkpoint, so reentrant backward returns their gradients through the caller's graph instead of
-    running that graph inside its own backward. Returns the function and the checkpoint's
-    positional arguments after it."""
-    tensor = torch.Tensor
-    params = list(function.args)
-    keywords = dict(function.keywords)
-    slots = [
-        i
-        for i, a in enumerate(params)
-        if isinstance(a, tensor) and a.requires_grad and a.grad_fn is not None
-    ]
-    names = [
-        k
-        for k, v in keywords.items()
-        if isinstance(v, tensor) and v.requires_grad and v.grad_fn is not None
-    ]
-    moved = tuple(params[i] for i in slots) + tuple(keywords[k] for k in names)
-    count = len(args) - 1
-    inner = function.func
-
-    def lifted(*inputs: Any) -> Any:
-        given, values = inputs[:count], inputs[count:]
-        call_params, call_keywords = list(params), dict(keywords)
-        for i, value in zip(slots, values):
-            call_params[i] = value
-        for name, value in zip(names, values[len(slots) :]):
-            call_keywords[name] = value
-        return inner(*call_params, *given, **call_keywords)
-
-    return lifted, (*args[1:], *moved)
-
-
-def _any_trainable(modules: list[Any]) -> bool:
-    return any(_trainable(m) for m in modules)
-
-
-def _trainable(module: Any) -> bool:
-    """Whether any parameter of `module` or its children requires grad: the registries read
-    directly, as `parameters()`' generator costs several times more on the hot path."""
-    for param in module._parameters.values():
-        if param is not None and param.requires_grad:
-            return True
-    return any(child is not None and _trainable(child) for child in module._modules.values())
 
 
 def _as_bool(value: Any) -> bool | None:
@@ -530,6 +494,8 @@ def reset() -> None:
     """Forget cached outcomes and reported sites (a re-activation, tests)."""
     _outcomes.clear()
     _reported_sites.clear()
+    _probed.clear()
+    _untracked.clear()
 
 
 wrapt.register_post_import_hook(_eager_under_dynamo, "torch._dynamo.eval_frame")

@@ -100,9 +100,12 @@ class EnableCall:
     invoke: Callable[[Mapping[str, Any] | None], Any]  # runs the original with these kwargs
     replay: Callable[[Any, Mapping[str, Any] | None], Any] | None = None  # re-enables a model later
     trainer: str = ""
-    keeps_ask: str = (
-        ""  # the plugin's rule by which an earlier ask stands over a re-enable naming none
-    )
+    # the plugin's rule by which an earlier ask stands over a re-enable naming none
+    keeps_ask: str = ""
+    # what the framework's own enable runs with when the ask names no use_reentrant (None: not
+    # known), and whose default that is: kept where no rule finds it wrong
+    default_use_reentrant: bool | None = None
+    default_from: str = ""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any
 
 from gcpatch import record, settings
 from gcpatch.ranks import rank
+from gcpatch.schema import Stage
 
 log = logging.getLogger("gcpatch")
 _MARK = "_gcpatch_explained"
@@ -44,16 +45,21 @@ FAMILIES = (
             "A different number of tensors was saved",
         ),
         "a checkpointed block computed something else when it was recomputed in the backward",
-        "the recompute must repeat the forward exactly; it does not when the layers' train/eval"
-        " mode changed between forward and backward (dropout saves a mask only in training), when"
-        " DeepSpeed ZeRO-3 gathers parameters differently for the recompute (non-reentrant on"
-        " DeepSpeed < 0.19.3, DeepSpeed #8148), or when the block writes a KV cache",
+        "non-reentrant checkpointing checks that the recompute saves the tensors the forward saved;"
+        " it does not when the layers' train/eval mode changed between forward and backward"
+        " (dropout saves a mask only in training), when DeepSpeed ZeRO-3 gathers parameters"
+        " differently for the recompute (non-reentrant on DeepSpeed < 0.19.3, DeepSpeed #8148),"
+        " when the block writes a KV cache, or when the block computes the same values by other"
+        " operations the second time (a cache built on its first call, a data-dependent branch,"
+        " MoE routing: torchtitan#1117, pytorch#155171, transformers#34928)",
         "R3 (ZeRO-3 + frozen/PEFT parameters on DeepSpeed < 0.19.3 -> reentrant + input-grads"
         " hook), R5 (eval mode at the first training forward), R6 (use_cache off under"
         " checkpointing)",
         "keep the model in one mode from forward to backward (no model.eval()/train() in between);"
         " under ZeRO-3 upgrade DeepSpeed to >= 0.19.3 or use use_reentrant=True (GCPATCH_MODE=fix"
-        " applies R3)",
+        " applies R3); a block that saves other tensors on its recompute runs exactly under"
+        " use_reentrant=True, which does not compare them (with an input that requires grad:"
+        " gcpatch's CK1 and R2 give it one)",
     ),
     Family(
         "ddp_ready_twice",
@@ -179,6 +185,7 @@ def explain(exc: BaseException) -> str | None:
             f"likely cause: {family.cause}",
             f"rule: {family.rules}",
             *(f"gcpatch decided: {text}" for text in decided),
+            *_exact_instead(family, exc),
             f"fix: {family.fix}",
         ]
         note = f"gcpatch [{family.id}]: {family.title}\n" + "\n".join(f"  {line}" for line in lines)
@@ -214,12 +221,36 @@ def explain(exc: BaseException) -> str | None:
         return None
 
 
+def _exact_instead(family: Family, exc: BaseException) -> list[str]:
+    """Which other choice is exact where the one in force raised: a recompute that saves a
+    different number of tensors is refused by non-reentrant checkpointing only."""
+    if family.id != "recompute_mismatch" or "A different number of tensors" not in str(exc):
+        return []
+    chose = [
+        e
+        for e in record.history()
+        if (e.get("applied") or {}).get("use_reentrant") is False and e.get("stage") != "disable"
+    ]
+    by = ""
+    if chose:
+        last = chose[-1]
+        won = ((last.get("decision") or {}).get("winners") or {}).get("use_reentrant") or {}
+        why = f"{won.get('rule', '?')}: {won.get('short')}" if won.get("short") else won.get("rule")
+        what = last.get("model") or last.get("site", "the call")
+        by = f" (gcpatch ran {what} non-reentrant by {why or 'no rule'})"
+    return [
+        "exact instead: use_reentrant=True: reentrant recomputes without comparing what is saved,"
+        f" so this block runs exactly under it{by}; pass gradient_checkpointing_kwargs="
+        "{'use_reentrant': True} (or use_reentrant=True at the call)"
+    ]
+
+
 def decisions() -> list[str]:
     """What gcpatch decided in this process: the last decision per model, and verify's findings."""
     last: dict[str, dict[str, Any]] = {}
     verified: list[str] = []
     for entry in record.history():
-        if entry.get("stage") in ("enable", "first_forward", "config"):
+        if entry.get("stage") in (Stage.ENABLE, Stage.FIRST_FORWARD, Stage.CONFIG):
             last[entry.get("model", "?")] = entry
         elif entry.get("stage") == "call":  # a checkpoint call site's own decision (CK1-CK5)
             last[f"checkpoint call at {entry.get('site', '?')}"] = {

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Mapping
 
-from gcpatch.schema import Facts
+from gcpatch.schema import Facts, Stack, Stage
 
 log = logging.getLogger("gcpatch")
 
@@ -139,7 +139,7 @@ def _checkpoint_stacks(model: Any) -> list[tuple[str, Any, list[Any]]]:
     return list(stacks.values())
 
 
-def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
+def stack_facts(model: Any) -> tuple[Stack, ...]:
     """R1's facts per stack: whether its blocks train, and whether anything upstream of it trains
     (which makes the stack's first input require grad). Upstream is what the model registers
     before the stack on the way from the root down to it, leaving out sibling branches that hold
@@ -162,21 +162,18 @@ def stack_facts(model: Any) -> tuple[dict[str, Any], ...]:
             model, names.get(id(layers[0]), ""), owners, layer_ids, embeddings
         )
         facts.append(
-            {
-                "stack": name,
-                "runner": type(owner).__name__,
-                "blocks": len(layers),
-                "block_class": type(layers[0]).__name__,
-                "trainable_in_blocks": trainable_inside,
-                "trainable_upstream": upstream,
-                "inputs_can_require_grad": upstream > 0,
-                # the model's input embeddings sit upstream: an input-grads hook on their output
-                # (R2, X2, P1)
-                # makes the stack's first input require grad under reentrant
-                "fed_by_input_embeddings": fed,
-                "blocks_in_eval_mode": sum(1 for layer in layers if not layer.training),
-                "encoder_states_by_keyword": encoder_decoder and _encoder_states_by_keyword(owner),
-            }
+            Stack(
+                stack=name,
+                runner=type(owner).__name__,
+                blocks=len(layers),
+                block_class=type(layers[0]).__name__,
+                trainable_in_blocks=trainable_inside,
+                trainable_upstream=upstream,
+                inputs_can_require_grad=upstream > 0,
+                fed_by_input_embeddings=fed,
+                blocks_in_eval_mode=sum(1 for layer in layers if not layer.training),
+                encoder_states_by_keyword=encoder_decoder and _encoder_states_by_keyword(owner),
+            )
         )
     return tuple(facts)
 
@@ -351,9 +348,12 @@ def gather(
     asked_from: str,
     context: Mapping[str, Any] | None = None,
     trainer: str = "",
+    default_use_reentrant: bool | None = None,
+    default_from: str = "",
 ) -> Facts:
     """`context` holds what was learnt when the model was wrapped later (DDP's
-    find_unused_parameters); `trainer` names the Trainer class making the call."""
+    find_unused_parameters); `trainer` names the Trainer class making the call;
+    `default_use_reentrant` is what the framework runs with when the ask names none."""
     context = context or {}
     trainable = frozen = 0
     for param in model.parameters():
@@ -402,6 +402,8 @@ def gather(
         grad_enabled=_grad_enabled(),
         find_unused_parameters=bool(context.get("find_unused_parameters", False)),
         trainer=trainer,
+        default_use_reentrant=default_use_reentrant,
+        default_from=default_from,
         **fsdp_facts(model, context),
     )
 
@@ -424,7 +426,7 @@ def for_config(
     `partially_frozen` holds; the model-level decision later sees the real counts."""
     asked = dict(asked_kwargs or {})
     return Facts(
-        stage="config",
+        stage=Stage.CONFIG,
         api=api,
         source="config",
         model_class=model_class,

@@ -14,6 +14,8 @@ _KNOB_WORDS = {
     "input_grads_hook": "input-grads hook",
     "run_inline": "runs inline",
     "lift_bound_tensors": "bound tensors passed as inputs",
+    "grad_input": "an input that requires grad, reentrant kept",
+    "tuple_outputs": "result passed through as a tuple",
 }
 
 
@@ -97,7 +99,16 @@ def _reentrant(entry: dict[str, Any], value: Any, vote: Any) -> str:
     reason = f"{rule}: {_short(vote)}" if _short(vote) else rule
     if asked == value:
         return f"use_reentrant={value} as asked ({rule} agrees)"
-    was = "unset" if asked is None else str(asked)
+    facts = entry.get("facts") if isinstance(entry.get("facts"), dict) else {}
+    if asked is None and facts.get("default_use_reentrant") is value:
+        # nothing changed: the framework's own default stands, and a rule may agree with it (X5)
+        owner = facts.get("default_from") or "the framework"
+        agrees = "no rule applies" if rule == "DEFAULT" else f"{rule} agrees"
+        return f"use_reentrant={value}, {owner}'s default ({agrees})"
+    if asked is None and isinstance(facts.get("default_use_reentrant"), bool):
+        was = f"{facts['default_use_reentrant']} (default)"
+    else:
+        was = "unset" if asked is None else str(asked)
     return f"use_reentrant {was} -> {value} ({reason})"
 
 

@@ -24,10 +24,12 @@ from gcpatch.facts import installed_version
 from gcpatch.schema import (
     EVAL_MODE_FIX,
     FAILURE_ORDER,
+    GRAD_INPUT,
     INPUT_GRADS_HOOK,
     KNOBS,
     LIFT_BOUND_TENSORS,
     STRENGTH_ORDER,
+    TUPLE_OUTPUTS,
     USE_CACHE_OFF,
     USE_REENTRANT,
     USER,
@@ -291,6 +293,8 @@ _VALUE_TYPES = {
     USE_CACHE_OFF: bool,
     EVAL_MODE_FIX: bool,
     LIFT_BOUND_TENSORS: bool,
+    GRAD_INPUT: bool,
+    TUPLE_OUTPUTS: bool,
 }
 
 

@@ -47,6 +47,8 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
                 asked_from=ctx.asked_from,
                 context=ctx.model.wrapped,
                 trainer=ctx.trainer,
+                default_use_reentrant=call.default_use_reentrant,
+                default_from=call.default_from,
             )
         )
         votes = resolve.stance_votes(facts) + engine.host().votes(facts) + ctx.model.evidence

@@ -17,12 +17,18 @@ its disable to `run_disable`, a config decided before any model exists to `run_c
 from `for_config`), and a wrap after the enable to `redecide` / `redecide_within`.
 
 The words a vote uses: the knobs USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX,
-RUN_INLINE, LIFT_BOUND_TENSORS (a checkpoint call's bound graph tensors passed as its inputs); the
-strengths REQUIRED (a correctness fix) and RECOMMENDED (a default the user's ask
-overrides); what a required vote avoids, WRONG_GRADIENTS, CRASH, NO_MEMORY_SAVED (a conflict goes
-to the worse failure). ZERO3_NONREENTRANT_RECOMPUTE is the framework fact the deepspeed plugin
-publishes (True: this DeepSpeed recomputes ZeRO-3 frozen parameters under non-reentrant
-checkpointing) for other plugins' rules to read.
+RUN_INLINE, LIFT_BOUND_TENSORS (a checkpoint call's bound graph tensors passed as its inputs),
+GRAD_INPUT (one more input that requires grad, reentrant kept), TUPLE_OUTPUTS (the result through
+the checkpoint as a flat tuple); the strengths REQUIRED (a correctness fix) and RECOMMENDED (a
+default the user's ask overrides); what a required vote avoids, WRONG_GRADIENTS, CRASH,
+NO_MEMORY_SAVED (a conflict goes to the worse failure). ZERO3_NONREENTRANT_RECOMPUTE is the
+framework fact the deepspeed plugin publishes (True: this DeepSpeed recomputes ZeRO-3 frozen
+parameters under non-reentrant checkpointing) for other plugins' rules to read.
+
+The same words as enums: `Knob`, `Strength`, `Failure`, `Stage` (when a decision is taken:
+CONFIG, ENABLE, FIRST_FORWARD, CALL), `Source`; they compare equal to their strings, so
+`facts.stage == Stage.ENABLE` reads what a record says. `facts.stacks` holds a `Stack` per
+checkpointed stack.
 
 `BUILTIN_ONLY` names the internals built-in plugins still reach where this API cannot serve
 them; they are not part of it and may change in any release.
@@ -38,12 +44,14 @@ from gcpatch.pipeline import redecide, redecide_within, run_config, run_disable,
 from gcpatch.schema import (
     CRASH,
     EVAL_MODE_FIX,
+    GRAD_INPUT,
     INPUT_GRADS_HOOK,
     LIFT_BOUND_TENSORS,
     NO_MEMORY_SAVED,
     RECOMMENDED,
     REQUIRED,
     RUN_INLINE,
+    TUPLE_OUTPUTS,
     USE_CACHE_OFF,
     USE_REENTRANT,
     WRONG_GRADIENTS,
@@ -51,22 +59,29 @@ from gcpatch.schema import (
     CallFacts,
     Decision,
     Facts,
+    Failure,
+    Knob,
     PatchPoint,
     PluginInfo,
     Rule,
     Source,
+    Stack,
+    Stage,
+    Strength,
     Vote,
 )
 
 __all__ = [
     "CRASH",
     "EVAL_MODE_FIX",
+    "GRAD_INPUT",
     "INPUT_GRADS_HOOK",
     "LIFT_BOUND_TENSORS",
     "NO_MEMORY_SAVED",
     "RECOMMENDED",
     "REQUIRED",
     "RUN_INLINE",
+    "TUPLE_OUTPUTS",
     "USE_CACHE_OFF",
     "USE_REENTRANT",
     "WRONG_GRADIENTS",
@@ -75,11 +90,16 @@ __all__ = [
     "Decision",
     "EnableCall",
     "Facts",
+    "Failure",
     "GcpatchError",
+    "Knob",
     "PatchPoint",
     "PluginInfo",
     "Rule",
     "Source",
+    "Stack",
+    "Stage",
+    "Strength",
     "Vote",
     "asking",
     "for_config",

@@ -29,6 +29,7 @@ from gcpatch.schema import (
     USER,
     Decision,
     Facts,
+    Stage,
     Vote,
 )
 
@@ -38,8 +39,10 @@ _STATE_KNOBS = (EVAL_MODE_FIX, RUN_INLINE)
 
 
 def stance_votes(facts: Facts) -> list[Vote]:
-    """The core's own votes: the user's explicit ask, and the default when nothing applies."""
-    if facts.stage not in ("enable", "config"):
+    """The core's own votes: the user's explicit ask, and the default when nothing applies: the
+    framework's own where it is known (a default that works is a correct choice, and changing it
+    is what only a rule may do), else non-reentrant, as PyTorch recommends."""
+    if facts.stage not in (Stage.ENABLE, Stage.CONFIG):
         return []
     _warn_string_booleans(facts.asked_kwargs)
     votes = []
@@ -55,18 +58,32 @@ def stance_votes(facts: Facts) -> list[Vote]:
                 short="as asked",
             )
         )
-    votes.append(
-        Vote(
+    votes.append(_default_vote(facts))
+    return votes
+
+
+def _default_vote(facts: Facts) -> Vote:
+    if facts.default_use_reentrant is None:
+        return Vote(
             USE_REENTRANT,
             False,
             DEFAULT,
             "DEFAULT",
-            "no rule applies: non-reentrant, as PyTorch recommends (torch.utils.checkpoint docs)",
+            "no rule applies and the framework's own default is not known: non-reentrant, as"
+            " PyTorch recommends (torch.utils.checkpoint docs)",
             plugin="core",
             short="no rule applies, PyTorch's recommendation",
         )
+    value, owner = facts.default_use_reentrant, facts.default_from or "the framework"
+    return Vote(
+        USE_REENTRANT,
+        value,
+        DEFAULT,
+        "DEFAULT",
+        f"no rule finds {owner}'s own default, use_reentrant={value}, wrong: kept",
+        plugin="core",
+        short=f"{owner}'s default",
     )
-    return votes
 
 
 # Checkpoint arguments torch reads as switches: `if use_reentrant:` makes the string "False" True.

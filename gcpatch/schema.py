@@ -66,6 +66,10 @@ class Knob(_Word):
     RUN_INLINE = "run_inline"
     # a partial's bound graph tensors become checkpoint inputs (CK5)
     LIFT_BOUND_TENSORS = "lift_bound_tensors"
+    # a reentrant call none of whose inputs requires grad gets one that does, reentrant kept (CK1)
+    GRAD_INPUT = "grad_input"
+    # a reentrant call's result passes through the checkpoint as a flat tuple, rebuilt after (CK7)
+    TUPLE_OUTPUTS = "tuple_outputs"
 
 
 REQUIRED, USER, RECOMMENDED, DEFAULT = (
@@ -91,6 +95,7 @@ EVAL_MODE_FIX, RUN_INLINE, LIFT_BOUND_TENSORS = (
     Knob.RUN_INLINE,
     Knob.LIFT_BOUND_TENSORS,
 )
+GRAD_INPUT, TUPLE_OUTPUTS = Knob.GRAD_INPUT, Knob.TUPLE_OUTPUTS
 KNOBS = tuple(Knob)
 
 # Framework facts one plugin publishes (gcpatch_facts) for other plugins' rules to read.
@@ -148,6 +153,39 @@ class PluginInfo:
 
 
 @dataclass(frozen=True)
+class Stack:
+    """One stack of checkpointed blocks, as R1 reads it (gcpatch/facts.py `stack_facts`). Read its
+    fields by name; `stack["blocks"]` and `stack.get("blocks")` also work, for plugins written when
+    a stack was a dict."""
+
+    stack: str  # where the blocks sit, e.g. "model.layers"
+    runner: str  # the class whose forward runs the loop
+    blocks: int
+    block_class: str
+    trainable_in_blocks: int  # trainable parameters inside the blocks
+    trainable_upstream: int  # trainable parameters on the way to the stack
+    inputs_can_require_grad: bool  # under reentrant the stack's first input requires grad
+    # the model's input embeddings sit upstream: an input-grads hook on their output (R2, X2, P1)
+    # makes the stack's first input require grad under reentrant
+    fed_by_input_embeddings: bool = False
+    blocks_in_eval_mode: int = 0
+    # a decoder stack that takes the encoder's output by keyword (reentrant does not see it)
+    encoder_states_by_keyword: bool = False
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self, name, default)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Facts:
     """Everything a rule may look at, gathered once per decision.
 
@@ -183,7 +221,7 @@ class Facts:
     # every config with use_cache, by where it sits (config, config.text_config, decoder.config): R6
     use_cache_configs: Mapping[str, Any] = field(default_factory=dict)
     # per checkpointed stack: blocks, whether they train, whether anything upstream trains (R1)
-    stacks: tuple[Mapping[str, Any], ...] = ()
+    stacks: tuple[Stack, ...] = ()
     # a checkpoint function other than torch's that the layers will call ("": torch's)
     checkpoint_function: str = ""
     # where the checkpoint call sits around a checkpointed layer (facts.checkpoint_site): "loop" |
@@ -198,6 +236,10 @@ class Facts:
     fsdp_checkpointing: str = ""
     # what plugins know about their frameworks for other plugins' rules (gcpatch_facts), by name
     framework_facts: Mapping[str, Any] = field(default_factory=dict)
+    # what the framework's own enable runs with when the ask names no use_reentrant (None: not
+    # known), and whose default it is ("transformers 4.57.6"): kept where no rule finds it wrong
+    default_use_reentrant: bool | None = None
+    default_from: str = ""
 
     @property
     def partially_frozen(self) -> bool:
@@ -209,7 +251,9 @@ class Facts:
         data["asked_kwargs"] = {k: _plain(v) for k, v in self.asked_kwargs.items()}
         data["versions"] = dict(self.versions)
         data["use_cache_configs"] = dict(self.use_cache_configs)
-        data["stacks"] = [dict(stack) for stack in self.stacks]
+        data["stacks"] = [
+            stack.to_dict() if isinstance(stack, Stack) else dict(stack) for stack in self.stacks
+        ]
         data["framework_facts"] = {k: _plain(v) for k, v in self.framework_facts.items()}
         data["partially_frozen"] = self.partially_frozen
         return data
@@ -233,6 +277,12 @@ class CallFacts:
     # positional inputs; `liftable`: all of them are arguments of the partial itself (CK5)
     bound_graph_tensors: int = 0
     bound_graph_liftable: bool = False
+    # grad-requiring tensors with a graph inside list, tuple, dict or dataclass positional arguments
+    # (reentrant passes such an argument to its recompute as it is, graph and all: CK5)
+    container_graph_tensors: int = 0
+    # what the function's first result showed reentrant could not track (CK7): "" nothing,
+    # "rebuildable" (tensors in dicts, lists, ModelOutput) or "opaque" (in other objects)
+    outputs_untracked: str = ""
     # the rule of the enable-time decision covering the call's module ("": none covers it; CK4)
     enable_decision: str = ""
     torch_version: str = ""

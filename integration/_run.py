@@ -29,7 +29,8 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # A decision's short line on the console (gcpatch/headline.py)
 DECISION_LINE = re.compile(
     r"gcpatch: (checkpoint call at \S+|[\w.-]+( \([\w.-]+\))?): "
-    r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|bound tensors|left as asked)"
+    r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|bound tensors|left as asked"
+    r"|an input that requires grad|result passed through)"
 )
 BLUNT = Path(__file__).resolve().parent / "blunt"  # sitecustomize.py: the force-non-reentrant patch
 TIMEOUT_S = 300

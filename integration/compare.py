@@ -58,17 +58,39 @@ def variant(spec: Spec, mode: str) -> Spec:
     ]()
 
 
-def verdict(run: Run) -> str:
-    """One cell: what went wrong in this run, or 'correct'."""
+def verdicts(run: Run) -> dict[str, str]:
+    """The cells of one run: what went wrong, or 'correct'; one per case where the script runs
+    several cases in one process (a RESULT holding a dict of figures per case), else one ("")."""
     if not run.results:
-        return f"no result (exit {run.returncode})"
-    problems: list[str] = []
-    for result in run.results:
-        problems += _problems(result)
-    if run.returncode != 0 and not problems:
-        problems.append(f"exit {run.returncode}")
-    unique = list(dict.fromkeys(problems))
-    return "; ".join(unique) if unique else "correct"
+        return {"": f"no result (exit {run.returncode})"}
+    cases = _cases(run.results[0])
+    out = {}
+    for case in cases or [""]:
+        problems: list[str] = []
+        for result in run.results:
+            problems += _problems(_case(result, case) if case else result)
+        if run.returncode != 0 and not problems:
+            problems.append(f"exit {run.returncode}")
+        unique = list(dict.fromkeys(problems))
+        out[case] = "; ".join(unique) if unique else "correct"
+    return out
+
+
+def _cases(result: dict) -> list[str]:
+    """The cases of a script that reports figures per case (`{case: {"wrong": ..}, ...}`)."""
+    nested = result.get("cases") if isinstance(result.get("cases"), dict) else result
+    found = [
+        k
+        for k, v in nested.items()
+        if isinstance(v, dict) and ({"wrong", "error"} & set(v) or "trainable" in v)
+    ]
+    return [f"cases.{k}" if nested is not result else k for k in found]
+
+
+def _case(result: dict, case: str) -> dict:
+    for part in case.split("."):
+        result = result[part]
+    return result
 
 
 def _problems(r: dict) -> list[str]:
@@ -107,9 +129,11 @@ def _short(error: str) -> str:
     return f"{kind} ({text.strip()[:60]}...)" if text.strip() else kind
 
 
-def label(spec: Spec) -> str:
+def label(spec: Spec, case: str = "") -> str:
     launcher = "" if spec.launcher == "python" else f" [{spec.launcher}]"
-    return f"`{spec.script} {' '.join(spec.args)}`{launcher}".replace(" `", "`")
+    args = " ".join(a for a in spec.args if "," not in a or not case)  # a case list: the case
+    shown = f"`{spec.script} {args}`".replace(" `", "`")
+    return shown + (f" {case.rsplit('.', 1)[-1]}" if case else "") + launcher
 
 
 def main() -> int:
@@ -130,7 +154,17 @@ def main() -> int:
             for i, spec in enumerate(todo)
             for mode in MODES
         }
-        cells = {key: verdict(future.result()) for key, future in futures.items()}
+        found = {key: verdicts(future.result()) for key, future in futures.items()}
+    rows = [
+        (spec, case)
+        for spec in todo
+        for case in dict.fromkeys(c for mode in MODES for c in found[(spec, mode)])
+    ]
+    cells = {
+        (spec, case, mode): found[(spec, mode)].get(case, "not run")
+        for spec, case in rows
+        for mode in MODES
+    }
     versions = ", ".join(
         f"{d} {_version(d)}"
         for d in ("torch", "transformers", "peft", "trl", "deepspeed", "axolotl", "colossalai")
@@ -143,15 +177,23 @@ def main() -> int:
         "| set-up | plain | force non-reentrant | gcpatch |",
         "| --- | --- | --- | --- |",
     ]
-    lines += [f"| {label(s)} | " + " | ".join(cells[(s, m)] for m in MODES) + " |" for s in todo]
-    worse = [
-        s for s in todo if cells[(s, "gcpatch")] != "correct" and cells[(s, "blunt")] == "correct"
-    ]
     lines += [
-        "",
-        f"gcpatch worse than the blunt patch on correctness: {len(worse)} set-up(s)"
-        + (": " + ", ".join(label(s) for s in worse) if worse else "."),
+        f"| {label(s, c)} | " + " | ".join(cells[(s, c, m)] for m in MODES) + " |" for s, c in rows
     ]
+    worse = {
+        mode: [
+            (s, c)
+            for s, c in rows
+            if cells[(s, c, "gcpatch")] != "correct" and cells[(s, c, mode)] == "correct"
+        ]
+        for mode in ("plain", "blunt")
+    }
+    for mode, name in (("plain", "plain"), ("blunt", "the blunt patch")):
+        lines.append(
+            f"gcpatch worse than {name} on correctness: {len(worse[mode])} set-up(s)"
+            + (": " + ", ".join(label(s, c) for s, c in worse[mode]) if worse[mode] else ".")
+        )
+    lines.insert(len(lines) - 2, "")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out != "-":
@@ -163,7 +205,7 @@ def main() -> int:
         out = Path(args.out) if args.out else HERE / "comparison" / f"{stack}.md"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
-    return 1 if worse else 0
+    return 1 if worse["plain"] or worse["blunt"] else 0
 
 
 def _version(dist: str) -> str | None:

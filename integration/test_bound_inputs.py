@@ -1,10 +1,13 @@
-"""The call's own evidence outranks the enable-time decision (CK1, CK4, CK5), on remote-code style
-models that bind their tensors into the checkpointed function (integration/scripts/bound_inputs.py),
-with GCPATCH=1 and no code change, against the plain run and the blunt force-non-reentrant patch.
+"""The call's own evidence decides where the enable-time decision cannot see (CK1, CK4, CK5), on
+remote-code style models that bind their tensors into the checkpointed function
+(integration/scripts/bound_inputs.py), with GCPATCH=1 and no code change, against the plain run and
+the blunt force-non-reentrant patch.
 
 - bound: every layer input bound into a partial, reentrant asked at the enable call: plain 14 of 16
-  tensors get no gradient; gcpatch (CK1 over the user's enable-time ask) and the blunt patch 0.
-- shared_bias: hidden states by keyword beside a shared bias: plain 10 of 12 wrong; gcpatch 0.
+  tensors get no gradient; gcpatch 0 with the user's reentrant kept (CK1 passes the bound tensors
+  as the checkpoint's inputs), the blunt patch 0 by switching it.
+- shared_bias: hidden states by keyword beside a shared bias: plain 10 of 12 wrong; gcpatch 0,
+  reentrant kept (CK1).
 - mllama_shared: hidden states positional, projected image features by keyword to two
   cross-attention layers: plain crashes ("backward through the graph a second time"); gcpatch
   passes the features positionally (CK5), reentrant kept, exact.
@@ -58,7 +61,7 @@ def test_bound_inputs_get_exact_gradients_where_plain_loses_or_crashes(script_ru
         assert run.result[case]["error"] is None and run.result[case]["wrong"] == 0, run.describe()
 
 
-def test_evidence_at_the_call_overrides_the_enable_time_ask_and_says_which_over_which(script_runs):
+def test_evidence_at_the_call_keeps_the_enable_time_ask_and_makes_it_exact(script_runs):
     run = _get(script_runs, ALL)
     enables = [r for r in run.records() if r.get("stage") == "enable"]
     assert enables and all(
@@ -66,26 +69,20 @@ def test_evidence_at_the_call_overrides_the_enable_time_ask_and_says_which_over_
     )  # the enable kept the ask
     calls = _call_records(run)
     ck1 = [r for r in calls if r["rules"] == ["CK1"]]
-    assert len(ck1) == 2 and all(r["applied"] == {"use_reentrant": False} for r in ck1), (
-        calls
-    )  # once per site
+    # once per site; the user's reentrant stands, the bound tensors become the checkpoint's inputs
+    assert len(ck1) == 2 and all(r["applied"] == {"lift_bound_tensors": True} for r in ck1), calls
     assert all(r["facts"]["enable_decision"] == "USER" for r in ck1)
-    assert all(
-        "CK1 requires use_reentrant=False" in w and "decided at enable time" in w
-        for r in ck1
-        for w in r["decision"]["warnings"]
-    )
+    assert all(r["decision"]["values"].get("use_reentrant") is True for r in ck1)
+    assert not any(r["decision"]["warnings"] for r in ck1)  # nothing of the user's overruled
     [ck5] = [r for r in calls if r["rules"] == ["CK5"]]
     assert (
         ck5["applied"] == {"lift_bound_tensors": True} and ck5["facts"]["bound_graph_tensors"] == 1
     )
     lines = run.gcpatch_lines()
-    assert any("use_reentrant True -> False (CK1: " in line for line in lines), run.stderr
+    assert any("bound tensors passed as inputs (CK1: " in line for line in lines), run.stderr
     assert any("bound tensors passed as inputs (CK5: " in line for line in lines), run.stderr
-    assert any(
-        "CK1 overrules your use_reentrant=True" in line for line in run.stderr.splitlines()
-    ), run.stderr
-    assert_explained(run, "CK1", "CK5", "evidence at the call: it overrides USER")
+    assert "overrules" not in run.stderr, run.stderr
+    assert_explained(run, "CK1", "CK5", "lift_bound_tensors")
 
 
 def test_keyword_features_beside_a_positional_input_are_not_flipped(script_runs):
@@ -102,14 +99,13 @@ def test_keyword_features_beside_a_positional_input_are_not_flipped(script_runs)
     ), call
 
 
-def test_warn_mode_keeps_the_ask_and_says_so_strict_raises_naming_the_rule(script_runs):
+def test_warn_and_strict_mode_apply_what_keeps_the_users_choice(script_runs):
+    """Passing the bound tensors as inputs changes nothing the user chose: every mode applies it."""
     warn = _get(script_runs, "bound,autograd_grad", env={"GCPATCH_MODE": "warn"})
-    assert warn.result["bound"]["wrong"] == 14
-    assert any(
-        "warn mode keeps use_reentrant=True over CK1" in line for line in warn.stderr.splitlines()
-    ), warn.describe()
+    assert warn.result["bound"]["wrong"] == 0, warn.describe()
+    assert "warn mode keeps" not in warn.stderr, warn.stderr
     strict = _get(script_runs, "bound", env={"GCPATCH_MODE": "strict"})
-    assert strict.result["bound"]["error"].startswith("GcpatchError: [CK1]"), strict.result
+    assert strict.result["bound"]["error"] is None and strict.result["bound"]["wrong"] == 0
 
 
 def test_verify_mode_confirms_the_corrected_call(script_runs):

@@ -3,7 +3,9 @@
 with no code change, against the plain run and the blunt force-non-reentrant patch.
 
 Hand-written model, reentrant asked after a frozen embedding: plain 12 of 14 trainable tensors
-get no gradient; gcpatch (CK1) and the blunt patch 0. Selective checkpointing with torch's default:
+get no gradient; gcpatch 0, reentrant kept and given an input that requires grad (CK1), the blunt
+patch 0 by switching it. Where what the function runs cannot be seen (a block looked up in a
+global), CK1 switches to non-reentrant, and warn and strict mode say or refuse that. Selective checkpointing with torch's default:
 plain raises ValueError; gcpatch runs it non-reentrant (CK3). A correct reentrant call stays
 reentrant under gcpatch (the blunt patch changes it). Nested checkpoints: plain and blunt run the
 inner block 3 times a step, gcpatch twice (CK2). FSDP2 + FSDP's reentrant checkpoint_wrapper around
@@ -19,6 +21,7 @@ from _run import Spec
 SCRIPT = "torch_checkpoint_calls.py"
 CASES = (
     "frozen_embedding",
+    "frozen_embedding_global",
     "context_fn",
     "context_fn_non_reentrant",
     "correct_reentrant",
@@ -27,8 +30,9 @@ CASES = (
 RUNS = (
     [Spec(SCRIPT, ("--case", case)) for case in CASES]
     + [
-        Spec(SCRIPT, ("--case", "frozen_embedding"), env=(("GCPATCH_MODE", m),))
+        Spec(SCRIPT, ("--case", case), env=(("GCPATCH_MODE", m),))
         for m in ("warn", "strict")
+        for case in ("frozen_embedding", "frozen_embedding_global")
     ]
     + [Spec("fsdp_nested.py", launcher="torchrun2")]
 )
@@ -48,14 +52,29 @@ def test_frozen_embedding_reentrant_call_gets_exact_gradients(script_runs):
     assert plain.result["wrong"] == 12 and plain.result["trainable"] == 14
     run = _run(script_runs, "frozen_embedding")
     assert run.result["error"] is None and run.result["wrong"] == 0, run.describe()
+    assert run.result["ran_reentrant"] is True  # the caller's reentrant, made exact
     [record] = _call_records(run)  # once per call site, not once per block or step
-    assert record["rules"] == ["CK1"] and record["applied"] == {"use_reentrant": False}
+    assert record["rules"] == ["CK1"] and record["applied"] == {"grad_input": True}
     assert record["site"].endswith("torch_checkpoint_calls.py:" + record["site"].rsplit(":", 1)[1])
     assert_explained(run, "CK1", "torch_checkpoint_calls.py")
+    # keeping the caller's choice overrules nothing: warn and strict mode apply it as fix mode does
+    for mode in ("warn", "strict"):
+        kept = _run(script_runs, "frozen_embedding", env={"GCPATCH_MODE": mode})
+        assert kept.result["error"] is None and kept.result["wrong"] == 0, kept.describe()
+
+
+def test_what_cannot_be_seen_inside_runs_non_reentrant(script_runs):
+    plain = _run(script_runs, "frozen_embedding_global", gcpatch=False)
+    assert plain.result["wrong"] == 12, plain.result
+    run = _run(script_runs, "frozen_embedding_global")
+    assert run.result["wrong"] == 0 and run.result["ran_reentrant"] is False, run.describe()
+    [record] = _call_records(run)
+    assert record["applied"] == {"use_reentrant": False}
+    assert record["facts"]["trainable_inside"] is None
 
 
 def test_warn_mode_only_says_it_and_strict_mode_raises_at_the_first_call(script_runs):
-    warn = _run(script_runs, "frozen_embedding", env={"GCPATCH_MODE": "warn"})
+    warn = _run(script_runs, "frozen_embedding_global", env={"GCPATCH_MODE": "warn"})
     assert warn.result["wrong"] == 12  # the call is left as made
     # one short line on the console, the full warning in the record
     assert any(
@@ -66,7 +85,7 @@ def test_warn_mode_only_says_it_and_strict_mode_raises_at_the_first_call(script_
         for r in _call_records(warn)
         for text in r["decision"]["warnings"]
     ), _call_records(warn)
-    strict = _run(script_runs, "frozen_embedding", env={"GCPATCH_MODE": "strict"})
+    strict = _run(script_runs, "frozen_embedding_global", env={"GCPATCH_MODE": "strict"})
     assert strict.result["error"].startswith("GcpatchError: [CK1]"), strict.result
 
 

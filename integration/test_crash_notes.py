@@ -10,26 +10,27 @@ from _asserts import assert_explained, assert_installed_gcpatch_ran, assert_plai
 from _run import Spec
 
 SCRIPT = "crash_families.py"
-# family -> (GCPATCH_MODE, expected exception type, words of its message, rule named, what gcpatch decided)
+# family -> (gcpatch's variables, expected exception type, words of its message, rule named, what
+# gcpatch decided)
 CASES = {
     "recompute": (
-        "fix",
+        {"GCPATCH_MODE": "fix"},
         "torch.utils.checkpoint.CheckpointError",
         "A different number of tensors was saved",
         "R5",
         "applied use_reentrant=False",
     ),
-    # warn mode keeps the user's use_reentrant=True over CK1 (the hidden states reach the checkpoint by keyword):
-    # the set-up crashes as it would without gcpatch
+    # the hidden states reach the checkpoint by keyword, which CK1 would pass positionally; with the
+    # torch plugin blocked no call-site rule sees it, and the set-up crashes as it would plainly
     "no_grad": (
-        "warn",
+        {"GCPATCH_MODE": "warn", "GCPATCH_DISABLE_PLUGINS": "torch"},
         "builtins.RuntimeError",
         "element 0 of tensors does not require grad",
         "CK1",
-        "warn mode keeps the user's value",
+        "applied use_reentrant=True",
     ),
     "twice": (
-        "fix",
+        {"GCPATCH_MODE": "fix"},
         "builtins.RuntimeError",
         "Trying to backward through the graph a second time",
         "R6",
@@ -43,7 +44,7 @@ FAMILY_IDS = {
     "ddp": "ddp_ready_twice",
 }
 RUNS = [
-    Spec(SCRIPT, ("--family", f), env=(("GCPATCH_MODE", mode),)) for f, (mode, *_) in CASES.items()
+    Spec(SCRIPT, ("--family", f), env=tuple(sorted(env.items()))) for f, (env, *_) in CASES.items()
 ] + [Spec(SCRIPT, ("--family", "ddp"), env=(("GCPATCH_MODE", "warn"),), launcher="torchrun2")]
 
 
@@ -75,8 +76,8 @@ def assert_explained_crash(
 
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_crash_is_explained_on_the_unchanged_exception(script_runs, family):
-    mode, error_type, words, rule, decided = CASES[family]
-    run = script_runs.get(SCRIPT, "--family", family, gcpatch=True, env={"GCPATCH_MODE": mode})
+    env, error_type, words, rule, decided = CASES[family]
+    run = script_runs.get(SCRIPT, "--family", family, gcpatch=True, env=env)
     plain = script_runs.get(SCRIPT, "--family", family, gcpatch=False)
     assert_explained_crash(run, plain, family, error_type, words, rule, decided)
 

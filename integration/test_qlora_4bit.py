@@ -92,5 +92,9 @@ def test_enable_inside_prepare_is_attributed_to_peft(script_runs):
     assert rec["asked"]["use_reentrant"] is None
     assert "peft.prepare_model_for_kbit_training" in rec["asked"]["from"]
     assert rec["facts"]["kbit"] is True
-    assert rec["applied"]["use_reentrant"] is False
+    # peft enables with `gradient_checkpointing_kwargs={}`: torch's own default (reentrant), exact
+    # with the input-grads hook; no rule finds it wrong there, so it is kept (X5); the LoRA wrap
+    # after it decides again (R1)
+    assert rec["applied"]["use_reentrant"] is True and winner(rec) == "DEFAULT", rec["why"]
+    assert rec["facts"]["default_from"] == "torch" and rec["applied"]["input_grads_hook"] is True
     assert_explain_lists_every_decision(run)

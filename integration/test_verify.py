@@ -1,6 +1,6 @@
 """Verify mode (GCPATCH_VERIFY=1) on unchanged user scripts: a plain training loop over the
 set-ups gcpatch fixes (match; hidden states passed by keyword among them, fixed at the call by CK1),
-one it is told not to fix (warn mode: the mismatching parameters named), a model
+one it is told not to fix (the torch plugin blocked, warn mode: the mismatching parameters named), a model
 left in eval mode without gcpatch's fix (warn mode: ~0% saved), and the user's own step
 bit-identical to the same run without verify (first-step gradients, parameters and optimizer
 state after training, the RNG streams afterwards)."""
@@ -15,16 +15,17 @@ SCRIPT = "verify_train.py"
 FIXED = ("frozen", "eval", "lora", "qlora", "kwargs")
 SETUPS = FIXED
 VERIFY = {"GCPATCH_VERIFY": "1"}
-# what no rule may fix: warn mode keeps the call as made; with the torch plugin blocked no call-site
-# rule sees it, and strict mode leaves it to verify
+# what no rule may fix: with the torch plugin blocked no call-site rule sees it; warn mode keeps the
+# enable's choices as made, strict mode leaves it to verify
 WARN = {"GCPATCH_MODE": "warn", **VERIFY}
+UNSEEN = {"GCPATCH_MODE": "warn", "GCPATCH_DISABLE_PLUGINS": "torch", **VERIFY}
 STRICT_UNSEEN = {"GCPATCH_MODE": "strict", "GCPATCH_DISABLE_PLUGINS": "torch", **VERIFY}
 RUNS = (
     [Spec(SCRIPT, ("--setup", s), env=tuple(VERIFY.items())) for s in SETUPS]
     + [Spec(SCRIPT, ("--setup", s)) for s in SETUPS]
     + [
         Spec(SCRIPT, ("--setup", "eval"), env=tuple(sorted(WARN.items()))),
-        Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(WARN.items()))),
+        Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(UNSEEN.items()))),
         Spec(SCRIPT, ("--setup", "kwargs"), env=tuple(sorted(STRICT_UNSEEN.items()))),
     ]
 )
@@ -69,14 +70,14 @@ def test_verify_reports_match_on_setups_gcpatch_fixes(script_runs, setup):
 
 
 def test_verify_names_the_parameters_of_a_setup_gcpatch_is_told_not_to_fix(script_runs):
-    """A custom model family passing hidden states by keyword + use_reentrant=True, in warn mode: the
-    call is left as made (CK1 only warns), the user's own step loses 13 gradients, with or without
-    gcpatch, and verify names them."""
+    """A custom model family passing hidden states by keyword + use_reentrant=True, the torch plugin
+    blocked (no call-site rule sees the call) and warn mode: the user's own step loses 13 gradients,
+    with or without gcpatch, and verify names them."""
     plain = script_runs.get(SCRIPT, "--setup", "kwargs", gcpatch=False)
     assert_plain(plain)
     lost = plain.result["first_step_grad_none"]
     assert len(lost) == 13 and "embed.weight" in lost, lost  # the plain run is wrong too
-    run = script_runs.get(SCRIPT, "--setup", "kwargs", gcpatch=True, env=WARN)
+    run = script_runs.get(SCRIPT, "--setup", "kwargs", gcpatch=True, env=UNSEEN)
     assert run.result["first_step_grad_none"] == lost  # gcpatch left it alone
     assert run.result["applied_use_reentrant"] is True
     rep = verify_record(run)

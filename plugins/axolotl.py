@@ -21,6 +21,7 @@ from gcpatch.plugin import (
     PatchPoint,
     PluginInfo,
     Rule,
+    Stage,
     Vote,
     for_config,
     hookimpl,
@@ -90,7 +91,7 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    if facts.stage != "config" or not facts.trainer.startswith("axolotl"):
+    if facts.stage != Stage.CONFIG or not facts.trainer.startswith("axolotl"):
         return []
     rl = ":rl" in facts.trainer
     votes = []

@@ -16,6 +16,7 @@ from gcpatch.plugin import (
     PatchPoint,
     PluginInfo,
     Rule,
+    Stage,
     Vote,
     hookimpl,
     redecide_within,
@@ -61,7 +62,7 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    if facts.stage == "enable" and facts.source.startswith("colossalai"):
+    if facts.stage == Stage.ENABLE and facts.source.startswith("colossalai"):
         return [
             Vote(
                 USE_REENTRANT,

@@ -20,6 +20,7 @@ from gcpatch.plugin import (
     PatchPoint,
     PluginInfo,
     Rule,
+    Stage,
     Vote,
     hookimpl,
     redecide_within,
@@ -55,7 +56,7 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    if facts.stage == "enable" and facts.world_size > 1 and facts.find_unused_parameters:
+    if facts.stage == Stage.ENABLE and facts.world_size > 1 and facts.find_unused_parameters:
         return [
             Vote(
                 USE_REENTRANT,

@@ -19,6 +19,7 @@ from gcpatch.plugin import (
     Facts,
     PluginInfo,
     Rule,
+    Stage,
     Vote,
     hookimpl,
     installed_version,
@@ -73,7 +74,7 @@ def gcpatch_facts(facts: Facts) -> dict:
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
     if (
-        facts.stage not in ("enable", "config")
+        facts.stage not in (Stage.ENABLE, Stage.CONFIG)
         or not facts.zero3
         or not (facts.peft or facts.frozen_params)
     ):

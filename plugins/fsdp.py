@@ -29,6 +29,7 @@ from gcpatch.plugin import (
     PatchPoint,
     PluginInfo,
     Rule,
+    Stage,
     Vote,
     hookimpl,
     redecide_within,
@@ -123,7 +124,7 @@ _ENCLOSED = {"fsdp1": ("loop",), "fsdp2": ("loop", "layer_call")}
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    if facts.stage != "enable" or not facts.fsdp:
+    if facts.stage != Stage.ENABLE or not facts.fsdp:
         return []
     kinds = ["fsdp1" if kind.endswith("fsdp1") else "fsdp2" for kind in facts.fsdp.split(", ")]
     enclosed = [kind for kind in kinds if facts.checkpoint_site in _ENCLOSED[kind]]

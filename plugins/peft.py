@@ -17,6 +17,7 @@ from gcpatch.plugin import (
     PatchPoint,
     PluginInfo,
     Rule,
+    Stage,
     Vote,
     asking,
     hookimpl,
@@ -91,7 +92,7 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    if facts.stage == "enable" and facts.kbit:
+    if facts.stage == Stage.ENABLE and facts.kbit:
         return [
             Vote(
                 INPUT_GRADS_HOOK,

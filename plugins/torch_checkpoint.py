@@ -13,9 +13,11 @@ from __future__ import annotations
 from gcpatch import checkpoint_call, reentrant_grads
 from gcpatch.plugin import (
     CRASH,
+    GRAD_INPUT,
     LIFT_BOUND_TENSORS,
     REQUIRED,
     RUN_INLINE,
+    TUPLE_OUTPUTS,
     USE_REENTRANT,
     WRONG_GRADIENTS,
     CallFacts,
@@ -32,9 +34,14 @@ RULES = (
         "a reentrant checkpoint call (asked, torch's default, or decided at enable time) with grad"
         " enabled, no positional tensor input that requires grad, and trainable parameters or"
         " grad-requiring tensors reachable inside (modules, bound methods, a partial's arguments"
-        " and keywords, closures, default arguments; or none knowable) -> non-reentrant: reentrant"
-        " would give them no gradient. The call's own facts are evidence: they outrank an"
-        " enable-time decision that covers the call (CK4)",
+        " and keywords, closures, default arguments, containers among its arguments; or none"
+        " knowable): reentrant would give them no gradient. Where what is inside is known and no"
+        " tensor with a graph reaches it unseen, reentrant is kept and made exact (the fix that"
+        " changes least, and reentrant tolerates a recompute that saves other tensors than the"
+        " forward): the partial's graph tensors become its positional inputs, else one more input"
+        " that requires grad is passed (as R2's input-grads hook does for a model's layers); else"
+        " non-reentrant. The call's own facts are evidence: they outrank an enable-time decision"
+        " that covers the call (CK4)",
         "torch/utils/checkpoint.py (docs: 'At least one input and output must have"
         " requires_grad=True for the reentrant variant'), transformers/modeling_layers.py"
         " (GradientCheckpointingLayer docstring: inputs that require gradients must be passed"
@@ -69,15 +76,16 @@ RULES = (
         "CK5",
         "a reentrant call whose positional input requires grad, but whose function also reaches a"
         " grad-requiring tensor with a graph of its own by another way (a keyword, a closure, a"
-        " default argument) -> that tensor is passed to the checkpoint as a positional input where"
-        " it is an argument of the partial (reentrant kept, the user's choice), else non-reentrant:"
-        " reentrant backward runs that tensor's graph inside its own backward, which crashes"
-        " ('Trying to backward through the graph a second time') when another checkpoint or the"
-        " rest of the model uses it too. A tensor without a graph (a leaf) is left as it is:"
-        " reentrant backward reaches it exactly (transformers' Mllama cross-attention states passed"
-        " by keyword)",
-        "torch/utils/checkpoint.py (CheckpointFunction.backward: torch.autograd.backward(outputs,"
-        " args)), transformers/models/mllama/modeling_mllama.py (cross_attention_states=...)",
+        " default argument, or inside a list, tuple, dict or dataclass argument) -> that tensor is"
+        " passed to the checkpoint as a positional input where it is an argument of the partial"
+        " (reentrant kept, the user's choice), else non-reentrant: reentrant backward runs that"
+        " tensor's graph inside its own backward, which crashes ('Trying to backward through the"
+        " graph a second time') when another checkpoint or the rest of the model uses it too. A"
+        " tensor without a graph (a leaf) is left as it is: reentrant backward reaches it exactly"
+        " (transformers' Mllama cross-attention states passed by keyword)",
+        "torch/utils/checkpoint.py (CheckpointFunction.forward saves only tensor arguments;"
+        " CheckpointFunction.backward: torch.autograd.backward(outputs, args)),"
+        " transformers/models/mllama/modeling_mllama.py (cross_attention_states=...)",
     ),
     Rule(
         "CK6",
@@ -90,6 +98,18 @@ RULES = (
         "torch/utils/checkpoint.py (CheckpointFunction.backward: "
         "'torch.utils.checkpoint is incompatible with .grad()'), gcpatch/reentrant_grads.py",
         documents=True,
+    ),
+    Rule(
+        "CK7",
+        "a reentrant call whose function returns tensors inside a dict, list, nested tuple or"
+        " ModelOutput (anything but a tensor or a tuple of them): reentrant tracks only those, so"
+        " the others come back without a graph and everything before them gets no gradient. Seen"
+        " at the function's first result, whose call runs again from the same RNG state: the"
+        " result passes through the checkpoint as a flat tuple and is rebuilt after it (reentrant"
+        " kept), or non-reentrant where torch's pytree cannot flatten it (a dataclass)",
+        "torch/utils/checkpoint.py (CheckpointFunction is an autograd.Function: only its tensor"
+        " outputs, or a tuple's, are tracked), torch/utils/_pytree.py,"
+        " transformers/utils/generic.py (ModelOutput registers itself with pytree)",
     ),
 )
 
@@ -112,7 +132,7 @@ def gcpatch_patch_points() -> list[PatchPoint]:
             checkpoint_call.run,
             copies=True,
             guarded=True,
-            why="CK1-CK5: the call every checkpointing path makes",
+            why="CK1-CK5, CK7: the call every checkpointing path makes",
         ),
         PatchPoint(
             "torch.autograd",
@@ -159,61 +179,142 @@ def gcpatch_call_vote(facts: CallFacts) -> list[Vote]:
                 short="context_fn needs non-reentrant",
             )
         )
-    if (
-        facts.reentrant
-        and facts.grad_enabled
-        and not facts.inputs_require_grad
-        and facts.trainable_inside is not False
-    ):
-        inside = (
-            "trainable parameters or grad-requiring tensors inside"
-            if facts.trainable_inside
-            else "what it uses inside cannot be known"
-        )
-        votes.append(
-            Vote(
-                USE_REENTRANT,
-                False,
-                REQUIRED,
-                "CK1",
-                "no positional tensor input requires grad and "
-                f"{inside}: reentrant would give them no gradient",
-                avoids=WRONG_GRADIENTS,
-                short="no input requires grad: parameters inside would get none",
-            )
-        )
-    if (
-        facts.reentrant
-        and facts.grad_enabled
-        and facts.inputs_require_grad
-        and facts.bound_graph_tensors
-    ):
-        if facts.bound_graph_liftable:
-            votes.append(
+    if facts.reentrant and facts.grad_enabled:
+        votes += _ck1(facts) + _ck5(facts) + _ck7(facts)
+    return votes
+
+
+def _ck1(facts: CallFacts) -> list[Vote]:
+    """No input requires grad and something inside trains: reentrant kept where it can be made
+    exact (the bound graph tensors lifted, or one more input that requires grad), else
+    non-reentrant."""
+    if facts.inputs_require_grad or facts.trainable_inside is False:
+        return []
+    short = "no input requires grad: parameters inside would get none"
+    unseen = facts.container_graph_tensors or (
+        facts.bound_graph_tensors and not facts.bound_graph_liftable
+    )
+    if facts.trainable_inside and not unseen:
+        if facts.bound_graph_tensors:
+            return [
                 Vote(
                     LIFT_BOUND_TENSORS,
                     True,
                     REQUIRED,
-                    "CK5",
-                    f"{facts.bound_graph_tensors} grad-requiring tensor(s) with a graph are bound"
-                    " into the function: passed as positional inputs, so reentrant backward"
-                    " returns their gradients instead of running their graph again",
-                    avoids=CRASH,
-                    short="bound graph tensors become inputs, reentrant kept",
+                    "CK1",
+                    "no positional tensor input requires grad: the partial's"
+                    f" {facts.bound_graph_tensors} grad-requiring tensor(s) with a graph become its"
+                    " positional inputs, so reentrant (kept) gives every gradient inside",
+                    avoids=WRONG_GRADIENTS,
+                    short=short,
                 )
+            ]
+        return [
+            Vote(
+                GRAD_INPUT,
+                True,
+                REQUIRED,
+                "CK1",
+                "no positional tensor input requires grad and trainable parameters or"
+                " grad-requiring tensors are inside: one more input that requires grad makes"
+                " reentrant (kept) give them their gradients",
+                avoids=WRONG_GRADIENTS,
+                short=short,
             )
-        else:
-            votes.append(
-                Vote(
-                    USE_REENTRANT,
-                    False,
-                    REQUIRED,
-                    "CK5",
-                    f"{facts.bound_graph_tensors} grad-requiring tensor(s) with a graph reach the"
-                    " function through a closure or default argument: reentrant backward would run"
-                    " their graph inside its own, which crashes when anything else uses them",
-                    avoids=CRASH,
-                    short="a bound tensor's graph would be run twice",
-                )
+        ]
+    inside = (
+        "a tensor with a graph reaches it where reentrant cannot see it"
+        if facts.trainable_inside
+        else "what it uses inside cannot be known"
+    )
+    return [
+        Vote(
+            USE_REENTRANT,
+            False,
+            REQUIRED,
+            "CK1",
+            f"no positional tensor input requires grad and {inside}: reentrant would give the"
+            " parameters inside no gradient",
+            avoids=WRONG_GRADIENTS,
+            short=short,
+        )
+    ]
+
+
+def _ck5(facts: CallFacts) -> list[Vote]:
+    if not facts.inputs_require_grad:
+        return []
+    if facts.container_graph_tensors:
+        return [
+            Vote(
+                USE_REENTRANT,
+                False,
+                REQUIRED,
+                "CK5",
+                f"{facts.container_graph_tensors} grad-requiring tensor(s) with a graph sit inside"
+                " a list, tuple, dict or dataclass argument, which reentrant hands to its"
+                " recompute as it is: its backward would run their graph inside its own",
+                avoids=CRASH,
+                short="a tensor inside a container argument would lose its graph",
             )
-    return votes
+        ]
+    if not facts.bound_graph_tensors:
+        return []
+    if facts.bound_graph_liftable:
+        return [
+            Vote(
+                LIFT_BOUND_TENSORS,
+                True,
+                REQUIRED,
+                "CK5",
+                f"{facts.bound_graph_tensors} grad-requiring tensor(s) with a graph are bound"
+                " into the function: passed as positional inputs, so reentrant backward"
+                " returns their gradients instead of running their graph again",
+                avoids=CRASH,
+                short="bound graph tensors become inputs, reentrant kept",
+            )
+        ]
+    return [
+        Vote(
+            USE_REENTRANT,
+            False,
+            REQUIRED,
+            "CK5",
+            f"{facts.bound_graph_tensors} grad-requiring tensor(s) with a graph reach the"
+            " function through a closure or default argument: reentrant backward would run"
+            " their graph inside its own, which crashes when anything else uses them",
+            avoids=CRASH,
+            short="a bound tensor's graph would be run twice",
+        )
+    ]
+
+
+def _ck7(facts: CallFacts) -> list[Vote]:
+    if not facts.outputs_untracked:
+        return []
+    if facts.outputs_untracked == "rebuildable":
+        return [
+            Vote(
+                TUPLE_OUTPUTS,
+                True,
+                REQUIRED,
+                "CK7",
+                "the function returns tensors inside a dict, list or ModelOutput, which reentrant"
+                " returns without a graph: its result passes through the checkpoint as a flat"
+                " tuple and is rebuilt after it (reentrant kept)",
+                avoids=WRONG_GRADIENTS,
+                short="tensors returned in a dict would lose their graph",
+            )
+        ]
+    return [
+        Vote(
+            USE_REENTRANT,
+            False,
+            REQUIRED,
+            "CK7",
+            "the function returns tensors inside an object torch's pytree cannot flatten (a"
+            " dataclass), which reentrant returns without a graph",
+            avoids=WRONG_GRADIENTS,
+            short="tensors returned in an object would lose their graph",
+        )
+    ]

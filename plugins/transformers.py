@@ -37,8 +37,10 @@ from gcpatch.plugin import (
     PluginInfo,
     Rule,
     Source,
+    Stage,
     Vote,
     hookimpl,
+    installed_version,
     run_disable,
     run_enable,
 )
@@ -78,6 +80,15 @@ RULES = (
         "FSDP's own activation checkpointing together with the Trainer's is refused by the Trainer "
         "itself; gcpatch leaves that error as it is",
         "transformers/trainer.py (5.23.0: create_accelerator_and_postprocess)",
+        documents=True,
+    ),
+    Rule(
+        "X5",
+        "the enable's own default where the ask names no use_reentrant: 4.38-4.57 reentrant, 5.x"
+        " non-reentrant, 4.35-4.37 and kwargs without the key torch's (reentrant); where no rule"
+        " finds it wrong it is kept (DEFAULT): a default that works is a correct choice",
+        "transformers/modeling_utils.py (4.57.6: gradient_checkpointing_enable; 5.24.0:"
+        " _activation_checkpointing_enable; 4.36.2: `{}`), torch/utils/checkpoint.py (2.13)",
         documents=True,
     ),
     Rule(
@@ -196,7 +207,7 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
     votes: list[Vote] = []
-    if facts.stage == "config" and facts.partially_frozen and not _zero3_needs_reentrant(facts):
+    if facts.stage == Stage.CONFIG and facts.partially_frozen and not _zero3_needs_reentrant(facts):
         votes.append(
             Vote(
                 USE_REENTRANT,
@@ -209,7 +220,7 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                 short="partly frozen: layers would get no gradients",
             )
         )
-    if facts.stage == "enable":
+    if facts.stage == Stage.ENABLE:
         starved = _stacks_without_input_grads(facts)
         hooked = _stacks_without_input_grads(facts, served_by_hook=True) if not starved else ""
         custom = (
@@ -275,7 +286,7 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                     short="no KV cache under checkpointing",
                 )
             )
-    elif facts.stage == "first_forward" and facts.grad_enabled and facts.layers_in_eval_mode:
+    elif facts.stage == Stage.FIRST_FORWARD and facts.grad_enabled and facts.layers_in_eval_mode:
         votes.append(
             Vote(
                 EVAL_MODE_FIX,
@@ -298,12 +309,10 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
 
 def _starved_short(facts: Facts, hooked: bool = False) -> str:
     """R1's reason in a few words, for the one-line log."""
-    if any(s.get("encoder_states_by_keyword") for s in facts.stacks):
+    if any(s.encoder_states_by_keyword for s in facts.stacks):
         return "decoder takes the encoder's output by keyword"
     blocks = sum(
-        s["blocks"]
-        for s in facts.stacks
-        if s["trainable_in_blocks"] and not s["inputs_can_require_grad"]
+        s.blocks for s in facts.stacks if s.trainable_in_blocks and not s.inputs_can_require_grad
     )
     if not blocks:
         return "partly frozen: layers would get no gradients"
@@ -334,11 +343,11 @@ def _stacks_without_input_grads(facts: Facts, served_by_hook: bool = False) -> s
             f"{facts.frozen_params} frozen and {facts.trainable_params} trainable parameters: "
             "reentrant would drop the gradients of layers whose inputs need none"
         )
-    keyword = [s for s in facts.stacks if s.get("encoder_states_by_keyword")]
+    keyword = [s for s in facts.stacks if s.encoder_states_by_keyword]
     if keyword and facts.trainable_params:
         if served_by_hook:
             return ""
-        names = ", ".join(s["stack"] for s in keyword)
+        names = ", ".join(s.stack for s in keyword)
         return (
             f"{names} gets the encoder's output as a keyword argument, which a reentrant checkpoint"
             " does not see: the encoder's gradients through it are lost or its graph is run twice"
@@ -346,9 +355,9 @@ def _stacks_without_input_grads(facts: Facts, served_by_hook: bool = False) -> s
     starved = [
         s
         for s in facts.stacks
-        if s["trainable_in_blocks"]
-        and not s["inputs_can_require_grad"]
-        and bool(s.get("fed_by_input_embeddings")) is served_by_hook
+        if s.trainable_in_blocks
+        and not s.inputs_can_require_grad
+        and bool(s.fed_by_input_embeddings) is served_by_hook
     ]
     if not starved:
         return ""
@@ -379,6 +388,7 @@ def _enable_v4(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
             "gradient_checkpointing_kwargs",
             lambda chosen: wrapped(chosen, *more, **rest),
             replay,
+            v5=False,
         )
     )
 
@@ -400,9 +410,8 @@ def _enable_v5(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
         if api == "gradient_checkpointing_enable"
         else "activation_checkpointing_kwargs"
     )
-    return run_enable(
-        _call(model, api, asked, kwarg, lambda chosen: wrapped(chosen, **bound), replay)
-    )
+    invoke = lambda chosen: wrapped(chosen, **bound)  # noqa: E731
+    return run_enable(_call(model, api, asked, kwarg, invoke, replay, v5=True))
 
 
 def _public_name_called() -> str:
@@ -428,7 +437,7 @@ def _public_name_called() -> str:
 
 
 def _call(
-    model: Any, api: str, asked: Any, kwarg_name: str, invoke: Any, replay: Any
+    model: Any, api: str, asked: Any, kwarg_name: str, invoke: Any, replay: Any, v5: bool
 ) -> EnableCall:
     trainer = context.asker().trainer
     trainer_name = (
@@ -452,7 +461,21 @@ def _call(
         replay=replay,
         trainer=trainer_name,
         keeps_ask="X3",
+        **_framework_default(asked, v5),
     )
+
+
+def _framework_default(asked: Any, v5: bool) -> dict[str, Any]:
+    """What the framework runs with when the ask names no use_reentrant (X5): its enable's own
+    kwargs where nothing was asked (4.38-4.57 `{"use_reentrant": True}`, 5.x `{"use_reentrant":
+    False}`; 4.35-4.37 `{}`, torch's default), else torch's default for kwargs that name none
+    (torch/utils/checkpoint.py 2.13: `use_reentrant = True` when not passed, with a warning)."""
+    version = installed_version("transformers") or ("5" if v5 else "4")
+    if asked is None:
+        return {"default_use_reentrant": not v5, "default_from": f"transformers {version}"}
+    if isinstance(asked, dict) and USE_REENTRANT not in asked:
+        return {"default_use_reentrant": True, "default_from": "torch"}
+    return {}
 
 
 def _attributed(asked: Any, args: Any, trainer: str) -> tuple[Any, str]:

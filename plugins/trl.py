@@ -16,6 +16,7 @@ from gcpatch.plugin import (
     Facts,
     PluginInfo,
     Rule,
+    Stage,
     Vote,
     hookimpl,
 )
@@ -74,7 +75,7 @@ def gcpatch_patch_points() -> list:
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    if facts.stage != "enable" or not facts.trainer.startswith("trl."):
+    if facts.stage != Stage.ENABLE or not facts.trainer.startswith("trl."):
         return []
     votes = []
     if _major(facts.versions.get("transformers")) < 5:

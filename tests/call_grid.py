@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# How the layer's hidden state reaches the checkpointed function.
-INPUT_VIA = ("positional", "keyword", "partial_arg", "closure", "default_arg")
+# How the layer's hidden state reaches the checkpointed function: as a positional tensor, bound
+# into the function, or inside a list or dict argument (which reentrant does not look into).
+INPUT_VIA = ("positional", "keyword", "partial_arg", "closure", "default_arg", "in_list", "in_dict")
 # A second tensor the layer uses: a trainable leaf, or a tensor with a graph used by one checkpoint,
 # shared by both checkpoints, or used inside a checkpoint and outside it; by keyword or closure.
 EXTRA = (
@@ -39,6 +40,11 @@ ASKED = (True, None, False)
 GRADS = ("backward", "autograd.grad", "backward(inputs=)")
 # Cells whose outcome can be known only at backward time: how the gradients are taken (CK6).
 BACKWARD_TIME = ("autograd.grad", "backward(inputs=)")
+# What the checkpointed function returns: the tensor, a dict holding it, or a tuple (tensor, None).
+OUTPUT = ("tensor", "dict", "tuple_none")
+# Whether the layer saves the same tensors when recomputed, or a different number (a cache built on
+# its first call: the same values, other operations), which non-reentrant checkpointing refuses.
+RECOMPUTE = ("same", "differs")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class Cell:
     nested: bool  # the layer checkpoints an inner module itself
     grads: str
     covered: bool  # an enable-time decision (the user's reentrant ask) covers the layers (CK4)
+    output: str = "tensor"
+    recompute: str = "same"
 
 
 def cells() -> list[Cell]:
@@ -66,6 +74,8 @@ def cells() -> list[Cell]:
         (False, True),
         GRADS,
         (False, True),
+        OUTPUT,
+        RECOMPUTE,
     ):
         cell = Cell(*values)
         if cell.covered and cell.asked is not True:
@@ -77,10 +87,11 @@ def cells() -> list[Cell]:
 
 
 class Layer(nn.Module):
-    def __init__(self, nested: bool, ckpt, kw: dict) -> None:
+    def __init__(self, nested: bool, ckpt, kw: dict, output: str, recompute: str) -> None:
         super().__init__()
         self.lin, self.inner = nn.Linear(4, 4), nn.Linear(4, 4)
         self.nested, self.ckpt, self.kw = nested, ckpt, kw
+        self.output, self.recompute, self.calls = output, recompute, 0
 
     def forward(self, h, extra=None):
         inner = (
@@ -88,8 +99,22 @@ class Layer(nn.Module):
             if self.nested and self.ckpt is not None
             else self.inner(h)
         )
-        out = torch.tanh(self.lin(h) + inner)
-        return out if extra is None else out * extra
+        z = self.lin(h) + inner
+        self.calls += 1
+        if self.recompute == "differs" and self.calls == 1:
+            z = z.relu() - (-z).relu()  # the same values; two more saved tensors than a recompute
+        out = torch.tanh(z)
+        out = out if extra is None else out * extra
+        if self.output == "dict":
+            return {"h": out}
+        return (out, None) if self.output == "tuple_none" else out
+
+
+def _unwrap(result):
+    """The layer's hidden state from what its call returned (OUTPUT)."""
+    if isinstance(result, dict):
+        return result["h"]
+    return result[0] if isinstance(result, tuple) else result
 
 
 class Net(nn.Module):
@@ -97,7 +122,9 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.up = nn.Linear(4, 4)
-        self.layers = nn.ModuleList(Layer(cell.nested, ckpt, kw) for _ in range(2))
+        self.layers = nn.ModuleList(
+            Layer(cell.nested, ckpt, kw, cell.output, cell.recompute) for _ in range(2)
+        )
         self.seed = nn.Parameter(torch.randn(4))
         self.proj = nn.Linear(4, 4)
         self.up.requires_grad_(cell.upstream_trains)
@@ -118,6 +145,14 @@ def _call(cell: Cell, ckpt, kw: dict, layer, h, extra):
         return ckpt(functools.partial(layer, h, extra=extra), **kw)
     if via == "closure":
         return ckpt(lambda: layer(h, extra), **kw)
+    if via in ("in_list", "in_dict"):
+        box = [h] if via == "in_list" else {"h": h}
+
+        def unbox(b, extra=None):
+            return layer(b[0] if isinstance(b, list) else b["h"], extra)
+
+        fn = functools.partial(unbox, extra=extra) if on_keyword else (lambda b: unbox(b, extra))
+        return ckpt(fn, box, **kw)
 
     def run(layer=layer, h=h, extra=extra):
         return layer(h, extra)
@@ -136,7 +171,9 @@ def forward(cell: Cell, net: Net, ckpt, kw: dict):
     out = h
     for i, layer in enumerate(net.layers):
         used = extra if (i == 0 or cell.extra.startswith(("shared", "leaf"))) else None
-        out = _call(cell, ckpt, kw, layer, out, used) if ckpt is not None else layer(out, used)
+        out = _unwrap(
+            _call(cell, ckpt, kw, layer, out, used) if ckpt is not None else layer(out, used)
+        )
     loss = out.pow(2).sum()
     if cell.extra.startswith("outside"):
         loss = loss + extra.sum()
@@ -226,6 +263,9 @@ def gcpatch_caller():
     logging.getLogger("gcpatch").setLevel(logging.CRITICAL)
 
     def make(spy: Spy, cell: Cell):
+        # each cell is a program of its own: nothing seen of another cell's calls carries over
+        checkpoint_call.reset()
+
         def ckpt(function, *args, **kwargs):
             return checkpoint_call.run(spy, None, (function, *args), kwargs)
 
@@ -278,9 +318,10 @@ def _modules(function) -> list:
 
 
 def classify(result: dict) -> str:
-    """worse: the blunt patch is exact and gcpatch is not; overrode: gcpatch changed use_reentrant
-    on a call whose gradients were exact as called."""
-    if result["forced"] == "exact" and result["gcpatch"] != "exact":
+    """worse: the call as made (plain) or the blunt patch is exact and gcpatch is not (a crash
+    counts as not exact); overrode: gcpatch changed use_reentrant on a call whose gradients were
+    exact as called."""
+    if result["gcpatch"] != "exact" and "exact" in (result["as_called"], result["forced"]):
         return "worse"
     if result["as_called"] == "exact" and result["changed"]:
         return "overrode"
@@ -296,24 +337,30 @@ def table(results: list[tuple[Cell, dict]]) -> str:
     exact_ways = {
         w: sum(1 for _, r in results if r[w] == "exact") for w in ("as_called", "forced", "gcpatch")
     }
+    worse_than = {
+        w: sum(1 for _, r in results if r[w] == "exact" and r["gcpatch"] != "exact")
+        for w in ("as_called", "forced")
+    }
     lines = [
         "# Checkpoint call grid: gcpatch against the blunt patch",
         "",
         "Generated by `python tests/call_grid.py > tests/CALL_GRID.md`; `tests/test_call_grid.py` checks it and "
         "the properties. Each cell is a checkpoint call shape on a tiny two-layer module, run four ways: no "
         "checkpointing (the reference), as called, forced non-reentrant (the blunt patch), and under gcpatch "
-        "(fix mode). *worse*: forced non-reentrant gets the reference's gradients and gcpatch does not. "
-        "*overrode*: gcpatch changed use_reentrant on a call whose gradients were already exact as called.",
+        "(fix mode). *worse*: the call as made (plain) or forced non-reentrant gets the reference's gradients "
+        "and gcpatch does not (a crash is not exact). *overrode*: gcpatch changed use_reentrant on a call "
+        "whose gradients were already exact as called.",
         "",
         f"Dimensions: hidden state {', '.join(INPUT_VIA)}; second tensor {', '.join(EXTRA)}; upstream trains "
         "or not; layer trains or not; use_reentrant True / unset / False; context_fn or not; nested "
-        f"checkpoint or not; gradients by {', '.join(GRADS)}; covered by an enable-time reentrant ask or not.",
+        f"checkpoint or not; gradients by {', '.join(GRADS)}; covered by an enable-time reentrant ask or not; "
+        f"the function returns {', '.join(OUTPUT)}; its recompute saves the {' or '.join(RECOMPUTE)} tensors.",
         "",
         "| cells | exact as called | exact forced non-reentrant | exact under gcpatch | gcpatch worse than "
-        "the blunt patch | gcpatch overrode an exact call |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "plain | gcpatch worse than the blunt patch | gcpatch overrode an exact call |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
         f"| {total} | {exact_ways['as_called']} | {exact_ways['forced']} | {exact_ways['gcpatch']} | "
-        f"{counts['worse']} | {counts['overrode']} |",
+        f"{worse_than['as_called']} | {worse_than['forced']} | {counts['overrode']} |",
         "",
     ]
     groups: dict[tuple, list[Cell]] = {}

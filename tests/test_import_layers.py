@@ -13,9 +13,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gcpatch"
 # Lowest first. A module may import its own layer or any layer below it.
 LAYERS = (
     ("vocabulary", {"errors", "schema", "settings", "caller", "headline", "hookspecs", "budget"}),
-    ("facts", {"ranks", "facts", "context"}),
+    ("facts", {"ranks", "facts", "call_facts", "context"}),
     ("rules", {"resolve"}),
-    ("effects", {"apply", "console", "record", "crash_notes", "reentrant_grads"}),
+    ("effects", {"apply", "call_rewrites", "console", "record", "crash_notes", "reentrant_grads"}),
     ("plugin runtime", {"patching", "manager", "engine"}),
     (
         "orchestration",

@@ -14,11 +14,13 @@ from gcpatch.manager import PluginHost
 from gcpatch.schema import (
     CRASH,
     EVAL_MODE_FIX,
+    GRAD_INPUT,
     INPUT_GRADS_HOOK,
     LIFT_BOUND_TENSORS,
     RECOMMENDED,
     REQUIRED,
     RUN_INLINE,
+    TUPLE_OUTPUTS,
     USE_CACHE_OFF,
     USE_REENTRANT,
     WRONG_GRADIENTS,
@@ -26,6 +28,7 @@ from gcpatch.schema import (
     Facts,
     PluginInfo,
     Rule,
+    Stack,
     Vote,
 )
 
@@ -94,25 +97,29 @@ def rules_voted(votes, knob=USE_REENTRANT):
     return [(v.rule, v.value, v.strength) for v in votes if v.knob == knob]
 
 
+def knobs_voted(votes):
+    return [(v.rule, v.knob, v.value) for v in votes]
+
+
 def test_partially_frozen_model_gets_r1_required_non_reentrant():
     votes = plugin("transformers").gcpatch_vote(facts(frozen_params=50))
     assert rules_voted(votes) == [("R1", False, REQUIRED)]
     assert next(v for v in votes if v.rule == "R1").avoids == WRONG_GRADIENTS
 
 
-def _stack(fed: bool, upstream: int = 0) -> dict:
-    return {
-        "stack": "model.layers",
-        "runner": "LlamaModel",
-        "blocks": 2,
-        "block_class": "LlamaDecoderLayer",
-        "trainable_in_blocks": 10,
-        "trainable_upstream": upstream,
-        "inputs_can_require_grad": upstream > 0,
-        "blocks_in_eval_mode": 0,
-        "encoder_states_by_keyword": False,
-        "fed_by_input_embeddings": fed,
-    }
+def _stack(fed: bool, upstream: int = 0) -> Stack:
+    return Stack(
+        stack="model.layers",
+        runner="LlamaModel",
+        blocks=2,
+        block_class="LlamaDecoderLayer",
+        trainable_in_blocks=10,
+        trainable_upstream=upstream,
+        inputs_can_require_grad=upstream > 0,
+        blocks_in_eval_mode=0,
+        encoder_states_by_keyword=False,
+        fed_by_input_embeddings=fed,
+    )
 
 
 def test_r1_recommends_where_the_input_grads_hook_serves_and_requires_where_it_cannot():
@@ -222,10 +229,31 @@ def test_checkpoint_call_rules():
     vote = plugin("torch_checkpoint").gcpatch_call_vote
     assert vote(call_facts()) == []  # a correct reentrant call
     assert vote(call_facts(asked_use_reentrant=False, inputs_require_grad=False)) == []
-    assert rules_voted(vote(call_facts(inputs_require_grad=False))) == [("CK1", False, REQUIRED)]
+    # CK1: reentrant kept and made exact where what is inside is known (one more input that requires
+    # grad, or the partial's graph tensors as inputs), non-reentrant where it is not, or where a
+    # tensor with a graph reaches the function unseen (a closure, a container argument)
+    assert knobs_voted(vote(call_facts(inputs_require_grad=False))) == [("CK1", GRAD_INPUT, True)]
+    assert knobs_voted(
+        vote(
+            call_facts(inputs_require_grad=False, bound_graph_tensors=1, bound_graph_liftable=True)
+        )
+    ) == [("CK1", LIFT_BOUND_TENSORS, True)]
     assert rules_voted(
         vote(call_facts(asked_use_reentrant=None, inputs_require_grad=False, trainable_inside=None))
     ) == [("CK1", False, REQUIRED)]
+    assert rules_voted(vote(call_facts(inputs_require_grad=False, bound_graph_tensors=1))) == [
+        ("CK1", False, REQUIRED)
+    ]
+    assert rules_voted(vote(call_facts(inputs_require_grad=False, container_graph_tensors=1))) == [
+        ("CK1", False, REQUIRED)
+    ]
+    # CK5 on a container argument holding a tensor with a graph; CK7 on what the first result showed
+    assert rules_voted(vote(call_facts(container_graph_tensors=2))) == [("CK5", False, REQUIRED)]
+    assert knobs_voted(vote(call_facts(outputs_untracked="rebuildable"))) == [
+        ("CK7", TUPLE_OUTPUTS, True)
+    ]
+    assert rules_voted(vote(call_facts(outputs_untracked="opaque"))) == [("CK7", False, REQUIRED)]
+    assert vote(call_facts(outputs_untracked="rebuildable", asked_use_reentrant=False)) == []
     assert vote(call_facts(inputs_require_grad=False, trainable_inside=False)) == []
     assert vote(call_facts(inputs_require_grad=False, grad_enabled=False)) == []
     assert rules_voted(vote(call_facts(context_fn=True))) == [("CK3", False, REQUIRED)]
@@ -318,6 +346,8 @@ def _call_grid():
         (True, False),
         (0, 1),
         (False, True),
+        (0, 1),
+        ("", "rebuildable", "opaque"),
     ):
         yield CallFacts(*values)
 

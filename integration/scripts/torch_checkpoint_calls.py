@@ -3,6 +3,8 @@ transformers): the calls gcpatch meets only at the checkpoint call.
 
 --case frozen_embedding   reentrant asked after a frozen embedding: no input of the first block
                           requires grad (reentrant drops its gradients; CK1)
+--case frozen_embedding_global   the same, the block reached through a module-level function that
+                          looks it up in a global (nothing the call holds shows what runs inside)
 --case context_fn         selective checkpointing, use_reentrant not passed (torch's default is
                           reentrant, which refuses context_fn; CK3)
 --case context_fn_non_reentrant   the same asked non-reentrant: must stay non-reentrant
@@ -77,9 +79,38 @@ class Net(nn.Module):
         return self.head(h)
 
 
+# frozen_embedding_global: module-level functions that look their block up in a global table
+BLOCKS: dict = {}
+
+
+def run_block_0(h):
+    return BLOCKS[0](h)
+
+
+def run_block_1(h):
+    return BLOCKS[1](h)
+
+
+def run_block_2(h):
+    return BLOCKS[2](h)
+
+
+RUNNERS = (run_block_0, run_block_1, run_block_2)
+
+
+def through_global(block, h):
+    index = next((i for i, b in BLOCKS.items() if b is block), None)
+    if index is None:
+        index = len(BLOCKS) % len(RUNNERS)
+        BLOCKS[index] = block
+    return checkpoint(RUNNERS[index], h, use_reentrant=REENTRANT)
+
+
 def call(case):
     if case in ("frozen_embedding", "correct_reentrant", "nested"):
         return lambda block, h: checkpoint(block, h, use_reentrant=REENTRANT)
+    if case == "frozen_embedding_global":
+        return through_global
     context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, policy)
     if case == "context_fn":
         return lambda block, h: checkpoint(block, h, context_fn=context)
@@ -90,8 +121,9 @@ def call(case):
 
 def step(ckpt):
     torch.manual_seed(0)
+    BLOCKS.clear()
     model = Net(nested=args.case == "nested")
-    if args.case == "frozen_embedding":
+    if args.case.startswith("frozen_embedding"):
         model.emb.weight.requires_grad_(False)
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
     RUNS.clear()
@@ -120,8 +152,9 @@ def main():
         )
         # which variant really ran: reentrant leaves CheckpointFunctionBackward in the graph
         torch.manual_seed(0)
+        BLOCKS.clear()
         model = Net()
-        if args.case == "frozen_embedding":
+        if args.case.startswith("frozen_embedding"):
             model.emb.weight.requires_grad_(False)
         h = model.emb(torch.zeros(1, 4, dtype=torch.long))
         out = call(args.case)(model.blocks[0], h)

@@ -10,6 +10,7 @@ from gcpatch.plugin import (
     PatchPoint,
     PluginInfo,
     Rule,
+    Stage,
     Vote,
     hookimpl,
 )
@@ -36,7 +37,7 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
-    if facts.stage == "enable" and facts.model_class.startswith("Acme"):
+    if facts.stage == Stage.ENABLE and facts.model_class.startswith("Acme"):
         return [
             Vote(
                 USE_REENTRANT,
