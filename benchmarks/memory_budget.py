@@ -10,7 +10,7 @@ sequence lengths, comparing the activation bytes one step holds and its step tim
 
 Run it with an interpreter that has gcpatch, transformers and (for the plot) matplotlib installed.
 Bytes held: for the eager variants, every storage an operator allocated in the forward that is
-still alive after it (gcpatch/layer_costs.py's instrument), over the same for no checkpointing.
+still alive after it (gcpatch/step/held.py's instrument), over the same for no checkpointing.
 torch.compile's kernels run outside that instrument: its bytes are the distinct storages its
 compiled forward saves for the backward, over the same count for eager without checkpointing.
 The compiled runs use the `aot_eager_decomp_partition` backend: the same partitioner and the
@@ -63,7 +63,7 @@ def model(layers: int):
 
 
 def held(m, ids) -> int:
-    from gcpatch.layer_costs import held_bytes
+    from gcpatch.step.held import held_bytes
 
     with held_bytes() as h:
         loss = m(input_ids=ids, labels=ids).loss

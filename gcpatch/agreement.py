@@ -19,7 +19,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from gcpatch import apply, console, context, record
+from gcpatch import apply, console, context, lifetime, record
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import checkpoint_layers
 from gcpatch.ranks import default_store
@@ -29,9 +29,13 @@ RULE = "gcpatch:ranks"
 DEFAULT_TIMEOUT_S = (
     1800.0  # as long as DDP's own collectives wait by default (gloo and NCCL: 30 min)
 )
-_rounds: dict[
-    tuple[int, ...], int
-] = {}  # DDP constructions per group, the same count on every rank
+# DDP constructions per group, the same count on every rank
+_rounds: dict[tuple[int, ...], int] = {}
+
+
+@lifetime.activation
+def reset() -> None:
+    _rounds.clear()
 
 
 def fingerprint(root: Any) -> dict[str, Any]:

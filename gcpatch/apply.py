@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from gcpatch import lifetime
 from gcpatch.facts import (
     checkpoint_function,
     checkpoint_layers,
@@ -60,6 +61,14 @@ class ModelState:
 
 
 _states: weakref.WeakKeyDictionary[Any, ModelState] = weakref.WeakKeyDictionary()
+
+
+@lifetime.activation
+def forget() -> None:
+    """Every model gcpatch changed given back (hooks removed, use_cache restored), and forgotten."""
+    for model in list(_states.keys()):
+        remove_all(model)
+    _states.clear()
 
 
 def state_of(model: Any) -> ModelState:
@@ -188,7 +197,7 @@ def reset(model: Any) -> None:
         return
     for layer, func in state.eval_fixed:
         layer.training = _user_mode(layer)
-        if isinstance(layer._gradient_checkpointing_func, _ModePreservingCheckpoint):
+        if isinstance(layer._gradient_checkpointing_func, ModePreservingCheckpoint):
             layer._gradient_checkpointing_func = func
     state.eval_fixed.clear()
     _remove_handles(state.mode_sync)
@@ -228,10 +237,10 @@ def fix_eval_mode(model: Any) -> int:
         if not (is_checkpoint_layer(layer) or _reads_training_only_to_checkpoint(layer)):
             continue
         func = layer._gradient_checkpointing_func
-        if isinstance(func, _ModePreservingCheckpoint):
+        if isinstance(func, ModePreservingCheckpoint):
             continue
         state.eval_fixed.append((layer, func))
-        layer._gradient_checkpointing_func = _ModePreservingCheckpoint(func, layer)
+        layer._gradient_checkpointing_func = ModePreservingCheckpoint(func, layer)
         layer.training = True
         fixed += 1
     if fixed and not state.mode_sync:
@@ -276,7 +285,7 @@ class _ModeSync:
                 weakref.ref(m)
                 for m in module.modules()
                 if isinstance(
-                    getattr(m, "_gradient_checkpointing_func", None), _ModePreservingCheckpoint
+                    getattr(m, "_gradient_checkpointing_func", None), ModePreservingCheckpoint
                 )
             ]
         grad = _grad_enabled() and not _asks_for_cache(kwargs)
@@ -331,7 +340,7 @@ def _reads_training_only_to_checkpoint(module: Any) -> bool:
     return all(any(mark in line for mark in _NEUTRAL_TRAINING_READS) for line in reads)
 
 
-class _ModePreservingCheckpoint:
+class ModePreservingCheckpoint:
     """The layer's checkpoint function, running the checkpointed body in the user's mode. A copy
     of the layer gets one bound to the copy; a pickle names the layer (pickle's memo resolves it).
     """
@@ -340,12 +349,12 @@ class _ModePreservingCheckpoint:
         self.func = func
         self.layer = weakref.ref(layer)
 
-    def __deepcopy__(self, memo: dict) -> _ModePreservingCheckpoint:
+    def __deepcopy__(self, memo: dict) -> ModePreservingCheckpoint:
         layer = self.layer()
-        return _ModePreservingCheckpoint(copy.deepcopy(self.func, memo), memo.get(id(layer), layer))
+        return ModePreservingCheckpoint(copy.deepcopy(self.func, memo), memo.get(id(layer), layer))
 
     def __reduce__(self) -> Any:
-        return _ModePreservingCheckpoint, (self.func, self.layer())
+        return ModePreservingCheckpoint, (self.func, self.layer())
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         layer = self.layer()

@@ -25,6 +25,7 @@ from gcpatch import (
     call_facts,
     call_rewrites,
     engine,
+    lifetime,
     patching,
     record,
     reentrant_grads,
@@ -490,8 +491,10 @@ def _as_bool(value: Any) -> bool | None:
     return None if value is None else bool(value)
 
 
+@lifetime.activation
 def reset() -> None:
-    """Forget cached outcomes and reported sites (a re-activation, tests)."""
+    """Forget covered modules, cached outcomes, reported sites and what results showed."""
+    _covered.clear()
     _outcomes.clear()
     _reported_sites.clear()
     _probed.clear()

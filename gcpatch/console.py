@@ -26,7 +26,7 @@ import logging
 import sys
 from typing import Any
 
-from gcpatch import ranks
+from gcpatch import lifetime, ranks
 
 log = logging.getLogger("gcpatch")
 _said: set[str] = set()  # lines this process already logged at INFO
@@ -122,8 +122,9 @@ def _awake() -> None:
         log.disabled = False
 
 
+@lifetime.activation
 def forget() -> None:
-    """Start over (a re-activation, tests)."""
+    """Start over (a re-activation): every line may be said again."""
     _said.clear()
     _seen.clear()
     _mine.clear()

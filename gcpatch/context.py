@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from gcpatch import lifetime
 from gcpatch.schema import USE_REENTRANT, Source
 
 
@@ -69,6 +70,12 @@ class ModelContext:
 
 
 _models: weakref.WeakKeyDictionary[Any, ModelContext] = weakref.WeakKeyDictionary()
+
+
+@lifetime.activation
+def reset() -> None:
+    """Forget every model's asks, replays and decisions."""
+    _models.clear()
 
 
 def of(model: Any) -> ModelContext:

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from gcpatch import record, settings
+from gcpatch import lifetime, record, settings
 from gcpatch.ranks import rank
 from gcpatch.schema import Stage
 
@@ -157,6 +157,7 @@ def _explaining(original: Any) -> Any:
     return entry
 
 
+@lifetime.activation
 def uninstall() -> None:
     """Put torch.autograd's entries back, by identity (someone who wrapped over us keeps theirs)."""
     while _installed:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from gcpatch import settings
+from gcpatch import lifetime, settings
 from gcpatch.patching import Patcher
 
 if TYPE_CHECKING:
@@ -145,15 +145,13 @@ def _load() -> PluginHost:
 
 
 def stop() -> None:
-    """Restore every patched original; a later `start()` loads everything afresh."""
+    """Restore every patched original and end the activation's state (gcpatch/lifetime.py): a
+    later `start()` loads everything afresh, as a fresh process would."""
     global _host, _patcher
     if _patcher is not None:
         _patcher.uninstall_all()
-    if _host is not None:
-        from gcpatch import crash_notes
-
-        crash_notes.uninstall()
     _host, _patcher = None, None
+    lifetime.reset_all()
 
 
 def host() -> PluginHost:

@@ -434,7 +434,9 @@ def _entry_points(group: str) -> list[metadata.EntryPoint]:
     return list(found.get(group, ()))  # type: ignore[union-attr]
 
 
-_said: set[str] = set()  # what this process already said about plugin ranges
+# What this process already said about plugin ranges: an installed release does not change while a
+# process runs, so a re-activation does not say it again.
+_said: set[str] = set()
 
 
 def _say_once(level: int, text: str) -> None:

@@ -10,14 +10,17 @@ user made it and logs one line; strict mode raises a GcpatchError instead.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from gcpatch import apply, checkpoint_call, context, engine, record, resolve, settings, verify
+from gcpatch import apply, checkpoint_call, context, engine, record, resolve, settings
 from gcpatch import facts as facts_mod
 from gcpatch.context import EnableCall
 from gcpatch.errors import GcpatchError
 from gcpatch.manager import PluginFailure
 from gcpatch.schema import EVAL_MODE_FIX, REQUIRED, USE_REENTRANT, WRONG_GRADIENTS, Stage, Vote
+
+if TYPE_CHECKING:
+    from gcpatch.step.verify import Report
 
 __all__ = ["redecide", "redecide_within", "run_config", "run_disable", "run_enable"]
 
@@ -72,18 +75,16 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
     checkpoint_call.cover(
         call.model, decision
     )  # its layers' checkpoint calls stand on this decision (CK4)
-    # verify's own correction says it in its one line (verify.py); the decision stays in the record
+    # verify's own correction says it in its one line (step/verify.py); the decision stays in the
+    # record
     quiet = _same_as_last(ctx, facts, decision) or ctx.asker.redecided_by == "verify"
     entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=quiet)
     ctx.commit(entry)
-    if cfg.memory_budget is not None:
-        from gcpatch import (
-            planner,
-        )  # only with GCPATCH_MEMORY_BUDGET set: its plan runs before verify looks
+    if cfg.memory_budget is not None or cfg.verify:
+        # loaded only where asked: the first step's work (verify, then the budget's plan)
+        from gcpatch.step import first_step
 
-        planner.arm(call.model, cfg.memory_budget)
-    if cfg.verify:
-        verify.arm(call.model, correct)
+        first_step.arm(call.model, cfg.memory_budget, cfg.verify, correct)
     return result
 
 
@@ -139,7 +140,7 @@ def redecide_within(root: Any, source: str, **wrapped: Any) -> None:
         redecide(module, source, **wrapped)
 
 
-def correct(model: Any, report: verify.Report, attempt: int) -> str:
+def correct(model: Any, report: Report, attempt: int) -> str:
     """Fix mode's answer to a verification that found wrong gradients (or a block recomputed twice)
     on the first training forward, before the user's step runs: first non-reentrant, decided again
     with verify's finding as a required vote (VERIFY: evidence outranks the enable-time guess);

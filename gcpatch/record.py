@@ -12,7 +12,7 @@ import stat
 import time
 from typing import Any
 
-from gcpatch import console, headline
+from gcpatch import console, headline, lifetime
 from gcpatch.ranks import rank
 from gcpatch.schema import CallFacts, Decision, Facts, Stage
 
@@ -316,3 +316,11 @@ _checked_dirs: dict[str, str] = {}
 
 def _errno_of(exc: BaseException) -> int | None:
     return getattr(exc, "errno", None)
+
+
+@lifetime.activation
+def reset() -> None:
+    """Forget the in-process history and what was found about record paths."""
+    _history.clear()
+    _unwritable.clear()
+    _checked_dirs.clear()

@@ -21,12 +21,20 @@ import logging
 import sys
 from typing import Any
 
-from gcpatch import record, settings
+from gcpatch import lifetime, record, settings
 
 log = logging.getLogger("gcpatch")
 
 _seen = [False]  # a reentrant checkpoint ran in this process: only then is a graph looked at
 _said: set[str] = set()
+
+
+@lifetime.activation
+def reset() -> None:
+    _seen[0] = False
+    _said.clear()
+
+
 _CHECKPOINT_NODE = "CheckpointFunctionBackward"
 _GRAD_NAMES = (
     "outputs",

@@ -1,19 +1,41 @@
 """gcpatch's environment variables, read in one place.
 
-A bad value never raises: it is reported once on stderr, in words that say exactly what gcpatch
-does instead, because gcpatch runs inside other people's jobs (fail open).
+A bad value never raises and never costs more than its own feature: each variable is read on its
+own, and a value it cannot use (or a failure reading it) is reported once on stderr, naming the
+variable and saying exactly what gcpatch does instead, while every other variable still applies.
+A variable that is set but empty is reported the same way (unset it to mean its default). gcpatch
+runs inside other people's jobs: it fails open.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any, Callable
+
+from gcpatch import lifetime
 
 MODES = ("fix", "warn", "strict", "off")
-_FALSE = ("", "0", "false", "no", "off")
+_FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "off")
-_reported: set[str] = set()
+# Every variable gcpatch reads (docs and `gcpatch doctor` list them from here).
+VARIABLES = (
+    "GCPATCH",
+    "GCPATCH_MODE",
+    "GCPATCH_RECORD",
+    "GCPATCH_DISABLE_PLUGINS",
+    "GCPATCH_LOG",
+    "GCPATCH_VERIFY",
+    "GCPATCH_MEMORY_BUDGET",
+    "GCPATCH_LOCAL_PLUGINS",
+)
+_reported: set[str] = set()  # each bad value is said once per activation
+
+
+@lifetime.activation
+def reset() -> None:
+    _reported.clear()
 
 
 def env_switch() -> bool | None:
@@ -26,10 +48,14 @@ def env_switch() -> bool | None:
         return True
     if value in _FALSE:
         return False
-    report_once(
+    if not value:
+        _bad("GCPATCH", raw, "set but empty", "gcpatch stays off, as with GCPATCH=0")
+        return False
+    _bad(
         "GCPATCH",
-        f"gcpatch: GCPATCH={raw!r} is neither 1 nor 0; gcpatch stays off, as with GCPATCH=0 "
-        "(set GCPATCH=1 to switch it on)",
+        raw,
+        "neither 1 nor 0",
+        "gcpatch stays off, as with GCPATCH=0 (set GCPATCH=1 to switch it on)",
     )
     return False
 
@@ -53,12 +79,10 @@ class Settings:
         self.record_dir = record_dir
         self.blocked_plugins = blocked_plugins
         self.log_level = log_level
-        self.verify = (
-            verify  # GCPATCH_VERIFY=1: check each model's first training step (gcpatch/verify.py)
-        )
-        self.memory_budget = (
-            memory_budget  # GCPATCH_MEMORY_BUDGET, a gcpatch.budget.Budget (gcpatch/planner.py)
-        )
+        # GCPATCH_VERIFY=1: check each model's first training step (gcpatch/step/verify.py)
+        self.verify = verify
+        # GCPATCH_MEMORY_BUDGET, a gcpatch.budget.Budget (gcpatch/step/planner.py)
+        self.memory_budget = memory_budget
 
     @property
     def strict(self) -> bool:
@@ -66,66 +90,126 @@ class Settings:
 
 
 def read() -> Settings:
-    """Read GCPATCH_MODE, GCPATCH_RECORD, GCPATCH_DISABLE_PLUGINS, GCPATCH_LOG, GCPATCH_VERIFY and
-    GCPATCH_MEMORY_BUDGET."""
-    mode = os.environ.get("GCPATCH_MODE", "fix").strip().lower() or "fix"
-    if mode not in MODES:
-        _bad("GCPATCH_MODE", mode, " | ".join(MODES), "fix")
-        mode = "fix"
-    log_level = os.environ.get("GCPATCH_LOG", "info").strip().lower() or "info"
-    if log_level not in _LOG_LEVELS:
-        _bad("GCPATCH_LOG", log_level, " | ".join(_LOG_LEVELS), "info")
-        log_level = "info"
-    blocked = frozenset(
-        name.strip()
-        for name in os.environ.get("GCPATCH_DISABLE_PLUGINS", "").split(",")
-        if name.strip()
-    )
-    record_dir = os.environ.get("GCPATCH_RECORD", "").strip() or None
-    verify = os.environ.get("GCPATCH_VERIFY", "").strip().lower() in _TRUE
+    """Every variable but GCPATCH (`env_switch`), each on its own (`_guarded`)."""
     return Settings(
-        mode=mode,
-        record_dir=record_dir,
-        blocked_plugins=blocked,
-        log_level=log_level,
-        verify=verify,
-        memory_budget=memory_budget(),
+        mode=_guarded("GCPATCH_MODE", _mode, "fix", "using fix"),
+        record_dir=_guarded("GCPATCH_RECORD", _record_dir, None, "nothing is recorded"),
+        blocked_plugins=_guarded(
+            "GCPATCH_DISABLE_PLUGINS", _blocked, frozenset(), "no plugin is blocked"
+        ),
+        log_level=_guarded("GCPATCH_LOG", _log_level, "info", "using info"),
+        verify=_guarded("GCPATCH_VERIFY", _verify, False, "verify stays off"),
+        memory_budget=_guarded("GCPATCH_MEMORY_BUDGET", _memory_budget, None, _NO_BUDGET),
     )
 
 
-def memory_budget() -> object:
-    """GCPATCH_MEMORY_BUDGET: a fraction of the activations (0.5) or a size (6GiB, 800MB), parsed
-    by gcpatch.budget (imported only when the variable is set: this module is on the start-up path).
-    """
-    raw = os.environ.get("GCPATCH_MEMORY_BUDGET", "")
+def _guarded(name: str, parse: Callable[[str], Any], default: Any, instead: str) -> Any:
+    """One variable's value, parsed by `parse` from its raw text; unset: `default`. A set-but-empty
+    value, or a failure inside `parse`, is said once and gives `default`: one variable never
+    costs another its value."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
     if not raw.strip():
+        _bad(name, raw, "set but empty", f"{instead} (unset it to mean the default)")
+        return default
+    try:
+        return parse(raw)
+    except Exception as exc:  # noqa: BLE001 (fail open: this variable only, said in one line)
+        _bad(name, raw, f"not readable ({type(exc).__name__}: {exc})", instead)
+        return default
+
+
+def _mode(raw: str) -> str:
+    mode = raw.strip().lower()
+    if mode not in MODES:
+        _bad("GCPATCH_MODE", raw, f"not one of {' | '.join(MODES)}", "using fix")
+        return "fix"
+    return mode
+
+
+def _log_level(raw: str) -> str:
+    level = raw.strip().lower()
+    if level not in _LOG_LEVELS:
+        _bad("GCPATCH_LOG", raw, f"not one of {' | '.join(_LOG_LEVELS)}", "using info")
+        return "info"
+    return level
+
+
+def _blocked(raw: str) -> frozenset[str]:
+    return frozenset(name.strip() for name in raw.split(",") if name.strip())
+
+
+def _record_dir(raw: str) -> str | None:
+    """A directory for the record (created when gcpatch first writes). A file in its place is said
+    now, at start-up, not at the first decision."""
+    path = raw.strip()
+    if "\x00" in path:
+        _bad("GCPATCH_RECORD", raw, "not a path (it holds a NUL byte)", "nothing is recorded")
         return None
-    from gcpatch.budget import parse
-
-    parsed = parse(raw)
-    if isinstance(parsed, str):
-        report_once(
-            "GCPATCH_MEMORY_BUDGET",
-            f"gcpatch: GCPATCH_MEMORY_BUDGET={raw!r} is {parsed}; no budget is "
-            "applied, every layer whose checkpointing is on recomputes as without the variable",
-        )
+    if os.path.exists(path) and not os.path.isdir(path):
+        _bad("GCPATCH_RECORD", raw, "a file, not a directory", "nothing is recorded")
         return None
-    return parsed
+    return path
 
 
-def local_plugins() -> bool:
-    """GCPATCH_LOCAL_PLUGINS=1: also load plugins from a *.dist-info in the script's own folder."""
-    raw = os.environ.get("GCPATCH_LOCAL_PLUGINS", "")
+def _verify(raw: str) -> bool:
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value not in _FALSE:
-        report_once(
-            "GCPATCH_LOCAL_PLUGINS",
-            f"gcpatch: GCPATCH_LOCAL_PLUGINS={raw!r} is neither 1 nor 0; "
-            "plugins next to the script are not loaded, as with 0",
-        )
+        _bad("GCPATCH_VERIFY", raw, "neither 1 nor 0", "verify stays off, as with 0")
     return False
+
+
+_NO_BUDGET = (
+    "no budget is applied, every layer whose checkpointing is on recomputes as without the variable"
+)
+
+
+def _memory_budget(raw: str) -> object:
+    """GCPATCH_MEMORY_BUDGET: a fraction of the activations (0.5) or a size (6GiB, 800MB), parsed
+    by gcpatch.budget (imported only when the variable is set: this module is on the start-up
+    path)."""
+    from gcpatch.budget import parse
+
+    parsed = parse(raw)
+    if isinstance(parsed, str):
+        _bad("GCPATCH_MEMORY_BUDGET", raw, f"not a budget: {parsed}", _NO_BUDGET, verb="is")
+        return None
+    return parsed
+
+
+def memory_budget() -> object:
+    """GCPATCH_MEMORY_BUDGET alone (what `read()` gives as `memory_budget`)."""
+    return _guarded("GCPATCH_MEMORY_BUDGET", _memory_budget, None, _NO_BUDGET)
+
+
+def local_plugins() -> bool:
+    """GCPATCH_LOCAL_PLUGINS=1: also load plugins from a *.dist-info in the script's own folder."""
+
+    def parse(raw: str) -> bool:
+        value = raw.strip().lower()
+        if value in _TRUE:
+            return True
+        if value not in _FALSE:
+            _bad(
+                "GCPATCH_LOCAL_PLUGINS",
+                raw,
+                "neither 1 nor 0",
+                "plugins next to the script are not loaded, as with 0",
+            )
+        return False
+
+    return _guarded(
+        "GCPATCH_LOCAL_PLUGINS", parse, False, "plugins next to the script are not loaded"
+    )
+
+
+def set_but_unused() -> list[str]:
+    """The GCPATCH_* variables set in this environment (what `gcpatch doctor` names when gcpatch
+    is off and they protect nothing)."""
+    return [name for name in VARIABLES[1:] if name in os.environ]
 
 
 def int_env(name: str, default: int, meaning: str) -> int:
@@ -150,8 +234,14 @@ def report_once(key: str, line: str) -> None:
     if key in _reported:
         return
     _reported.add(key)
-    sys.stderr.write(line + "\n")
+    try:
+        try:
+            sys.stderr.write(line + "\n")
+        except UnicodeEncodeError:  # a stderr that cannot encode the value: escaped
+            sys.stderr.write(line.encode("ascii", "backslashreplace").decode("ascii") + "\n")
+    except (OSError, ValueError, AttributeError):  # no stderr, or a closed one: nothing to say
+        pass
 
 
-def _bad(name: str, value: str, expected: str, used: str) -> None:
-    report_once(name, f"gcpatch: {name}={value!r} is not one of {expected}; using {used}")
+def _bad(name: str, raw: str, what: str, instead: str, verb: str = "is") -> None:
+    report_once(f"{name}={raw}", f"gcpatch: {name}={raw!r} {verb} {what}; {instead}")

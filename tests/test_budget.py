@@ -1,5 +1,6 @@
-"""GCPATCH_MEMORY_BUDGET's arithmetic (gcpatch/budget.py): what a budget value means, and that the
-plan is the cheapest one meeting it, proved against exhaustive search on small cases."""
+"""GCPATCH_MEMORY_BUDGET's arithmetic: what a budget value means (gcpatch/budget.py), and that the
+plan is the cheapest one meeting it (gcpatch/step/solver.py), proved against exhaustive search on
+small cases."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gcpatch import budget
-from gcpatch.budget import LayerCost, parse, solve
+from gcpatch.budget import parse
+from gcpatch.step import solver
+from gcpatch.step.solver import LayerCost, solve
 
 
 @pytest.mark.parametrize(
@@ -39,8 +41,8 @@ def test_budget_values_parse_as_a_fraction_or_a_size(raw, fraction, nbytes):
         ("abc", "neither a fraction"),
         ("1.5", "fraction in (0, 1]"),
         ("0", "fraction in (0, 1]"),
-        ("6 parsecs", "the unit 'parsecs'"),
-        ("0GB", "positive"),
+        ("6 parsecs", "its unit 'parsecs'"),
+        ("0GB", "at least one byte"),
         ("-1", "neither a fraction"),
     ],
 )
@@ -58,9 +60,9 @@ def test_a_bad_budget_is_reported_in_one_line_and_not_applied(monkeypatch, capsy
     assert settings_mod.read().memory_budget is None
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "gcpatch: GCPATCH_MEMORY_BUDGET='lots' is neither a fraction like 0.5 nor a size like 6GiB or "
-        "800MB; no budget is applied, every layer whose checkpointing is on recomputes as without the "
-        "variable"
+        "gcpatch: GCPATCH_MEMORY_BUDGET='lots' is not a budget: neither a fraction like 0.5 nor a size"
+        " like 6GiB or 800MB; no budget is applied, every layer whose checkpointing is on recomputes"
+        " as without the variable"
     ]
     monkeypatch.setenv("GCPATCH_MEMORY_BUDGET", "0.4")
     assert settings_mod.read().memory_budget.fraction == 0.4
@@ -151,7 +153,7 @@ def test_the_cheapest_plan_is_not_the_fewest_layers():
 
 
 def test_a_front_too_large_falls_back_to_cheapest_per_byte_and_says_so(monkeypatch):
-    monkeypatch.setattr(budget, "MAX_FRONT", 4)
+    monkeypatch.setattr(solver, "MAX_FRONT", 4)
     rng = random.Random(0)
     layers = [LayerCost(str(i), float(rng.randint(50, 500)), 0.0, rng.random()) for i in range(12)]
     plan = solve(layers, 0.0, 0.5 * sum(l.plain for l in layers))

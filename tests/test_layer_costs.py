@@ -1,5 +1,6 @@
-"""The budget's instrument (gcpatch/layer_costs.py): the bytes a forward leaves alive for its
-backward, per layer, on a stack whose saved tensors are known by hand."""
+"""The budget's instrument and measurements (gcpatch/step/held.py, gcpatch/step/layer_costs.py): the
+bytes a forward leaves alive for its backward, per layer, on a stack whose saved tensors are known
+by hand."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gcpatch import layer_costs  # noqa: E402
-from gcpatch.budget import solve  # noqa: E402
+from gcpatch.step import layer_costs  # noqa: E402
+from gcpatch.step.held import held_bytes  # noqa: E402
+from gcpatch.step.solver import solve  # noqa: E402
 
 WIDTH, BATCH = 8, 3
 F32 = 4
@@ -66,7 +68,7 @@ def test_a_plan_holds_what_it_predicts():
     assert plan.count == 3  # each checkpointed block sheds 4/5 of its bytes: 3 of 4 reach 50%
     for block, flag in zip(model, plan.checkpoint):
         block.checkpointed = flag
-    with layer_costs.held_bytes() as held:
+    with held_bytes() as held:
         out = model(x)
     assert held.total() == plan.total
     out.sum().backward()  # the checkpointed stack still trains

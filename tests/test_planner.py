@@ -1,6 +1,8 @@
-"""The memory budget's first-forward step (gcpatch/planner.py) on models without transformers:
-where a per-layer plan cannot be applied it says why and leaves checkpointing as decided, and a
-failure while measuring fails open with one line."""
+"""The memory budget at the first training step (gcpatch/step/first_step.py, gcpatch/step/planner.py)
+on models without transformers: the plan is made once the first forward has returned and applies
+from the next; where a per-layer plan cannot be applied it says why and leaves checkpointing as
+decided; a failure while measuring fails open with one line; the user's own hooks, exceptions and
+interrupts see exactly what they would without gcpatch."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gcpatch import layer_costs, planner  # noqa: E402
 from gcpatch.budget import parse  # noqa: E402
+from gcpatch.step import first_step, layer_costs, planner  # noqa: E402
 
 
 class Loop(torch.nn.Module):
@@ -62,10 +64,17 @@ class Stack(torch.nn.Module):
 
 
 def _first_forward(model, caplog, x=None):
-    planner.arm(model, parse("0.5"))
+    first_step.arm(model, parse("0.5"), verifying=False)
     with caplog.at_level(logging.INFO, logger="gcpatch"):
         model(torch.randn(2, 4, requires_grad=True) if x is None else x)
     return [r.getMessage() for r in caplog.records if " budget " in r.getMessage()]
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    yield
+    first_step.reset()
+    planner.reset()
 
 
 def test_a_family_whose_loop_checkpoints_keeps_full_checkpointing_and_says_why(caplog):
@@ -90,7 +99,7 @@ def test_a_measuring_failure_fails_open_with_one_line(caplog, monkeypatch):
     assert len([r for r in caplog.records if " budget " in r.getMessage()]) == 1
 
 
-def test_the_plan_switches_layers_off_and_leaves_the_rng_where_it_was(caplog):
+def test_the_plan_applies_after_the_first_forward_and_leaves_the_rng_where_it_was(caplog):
     model = Stack()
     x = torch.randn(2, 4, requires_grad=True)
     torch.manual_seed(3)
@@ -112,7 +121,94 @@ def test_an_enable_after_the_plan_gets_the_plan_back_at_once(caplog):
     for block in model.blocks:
         block.gradient_checkpointing = True  # what the framework's enable does
     caplog.clear()
-    planner.arm(model, parse("0.5"))
+    first_step.arm(model, parse("0.5"), verifying=False)
     assert [b.gradient_checkpointing for b in model.blocks] == planned
     model(torch.randn(2, 4, requires_grad=True))
     assert [r for r in caplog.records if " budget " in r.getMessage()] == []
+
+
+def _hooked(model, seen):
+    """The user's own hooks: a forward pre-hook and hook on the model and on a layer, counting."""
+    model.register_forward_pre_hook(lambda m, a: seen.append("model pre"))
+    model.register_forward_hook(lambda m, a, o: seen.append("model post"))
+    model.blocks[1].register_forward_hook(lambda m, a, o: seen.append("layer post"))
+
+
+def test_the_users_hooks_run_as_often_as_without_gcpatch(caplog):
+    plain_seen, seen = [], []
+    plain = Stack()
+    _hooked(plain, plain_seen)
+    plain(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    model = Stack()
+    _hooked(model, seen)
+    lines = _first_forward(model, caplog)
+    assert lines and "layers checkpointed" in lines[0], lines  # the plan was made
+    assert seen == plain_seen == ["model pre", "layer post", "model post"]
+
+
+class RaisesOnce(Stack):
+    """A forward that raises on its first call only (a lazily built state that fails once)."""
+
+    calls = 0
+
+    def forward(self, x):
+        RaisesOnce.calls += 1
+        if RaisesOnce.calls == 1:
+            raise ValueError("first call")
+        return super().forward(x)
+
+
+def test_an_exception_of_the_users_own_forward_surfaces_from_their_call(caplog):
+    RaisesOnce.calls = 0
+    model = RaisesOnce()
+    first_step.arm(model, parse("0.5"), verifying=False)
+    with pytest.raises(ValueError, match="first call"):
+        model(torch.randn(2, 4, requires_grad=True))
+    assert RaisesOnce.calls == 1  # nothing of gcpatch's ran the forward before the user's call
+    lines = _first_forward(model, caplog)  # the next training forward is the first to return
+    assert lines and "layers checkpointed" in lines[0], lines
+
+
+class AlwaysRaises(Stack):
+    calls = 0
+
+    def forward(self, x):
+        AlwaysRaises.calls += 1
+        raise RuntimeError("broken model")
+
+
+def test_a_forward_that_always_raises_runs_once_a_call():
+    AlwaysRaises.calls = 0
+    model = AlwaysRaises()
+    first_step.arm(model, parse("0.5"), verifying=False)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="broken model"):
+            model(torch.randn(2, 4, requires_grad=True))
+    assert AlwaysRaises.calls == 2
+
+
+def test_an_interrupt_while_measuring_restores_and_plans_at_the_next_forward(caplog, monkeypatch):
+    measure = layer_costs.measure
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(layer_costs, "measure", interrupted)
+    model = Stack()
+    first_step.arm(model, parse("0.5"), verifying=False)
+    torch.manual_seed(4)
+    expected = torch.rand(2)
+    torch.manual_seed(4)
+    with caplog.at_level(logging.INFO, logger="gcpatch"), pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 4, requires_grad=True))
+    assert [b.gradient_checkpointing for b in model.blocks] == [True] * 3  # flags restored
+    assert any("measuring was interrupted" in r.getMessage() for r in caplog.records)
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.manual_seed(4)
+    lines = _first_forward(model, caplog, x)  # the loop caught it and went on
+    assert torch.equal(torch.rand(2), expected)  # measuring drew from a forked stream
+    assert len(calls) == 2 and any("layers checkpointed" in line for line in lines), lines

@@ -1,9 +1,10 @@
 """torchrun --nproc_per_node=2 (gloo, CPU): DDP around the 8-layer tiny Llama of budget_train.py,
-`gradient_checkpointing_enable()`, one step with AdamW, each rank on its own batch. Ordinary user code:
-nothing here imports gcpatch. Each rank prints which layers checkpoint after the first step, what
-its forward held (measured by budget_train's own dispatch mode), how many layers its backward
-recomputed, and a digest of its (all-reduced) gradients, so a run with GCPATCH_MEMORY_BUDGET can be
-compared rank by rank with the same run without gcpatch.
+`gradient_checkpointing_enable()`, two steps with AdamW, each rank on its own batch. Ordinary user
+code: nothing here imports gcpatch. Each rank prints which layers checkpoint after the first step,
+what its second forward held (the first with the budget's plan; measured by budget_train's own
+dispatch mode), how many layers its backward recomputed, and a digest of its (all-reduced)
+gradients, so a run with GCPATCH_MEMORY_BUDGET can be compared rank by rank with the same run
+without gcpatch.
 
 usage: python -m torch.distributed.run --nproc_per_node=2 budget_ddp.py
 """
@@ -32,23 +33,29 @@ def main() -> None:
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(50 + rank)
     ids = torch.randint(0, c.VOCAB, (BATCH, SEQ), generator=gen)
-    torch.manual_seed(11 + rank)
-    with HeldBytes() as held:
-        loss = ddp(input_ids=ids, labels=ids).loss
-    nbytes = held.alive()
-    counter.backward = True
-    loss.backward()
-    grads = digest(p.grad for p in model.parameters())
-    opt.step()
+    first_held = None
+    for step in (1, 2):  # the budget's plan is made at the first step and applies from the second
+        opt.zero_grad(set_to_none=True)
+        counter.backward, counter.count = False, 0
+        torch.manual_seed(10 * step + rank)
+        with HeldBytes() as held:
+            loss = ddp(input_ids=ids, labels=ids).loss
+        nbytes = held.alive()
+        first_held = nbytes if first_held is None else first_held
+        counter.backward = True
+        loss.backward()
+        grads = digest(p.grad for p in model.parameters())
+        opt.step()
     c.emit(
         {
             "scenario": "budget_ddp",
             "rank": rank,
             "world": dist.get_world_size(),
             "held_bytes": nbytes,
+            "first_step_held_bytes": first_held,
             "recomputed": counter.count,
             "flags": [bool(m.gradient_checkpointing) for m in decoder_layers(model)],
-            "first_step_grads": grads,
+            "second_step_grads": grads,
             "params_after": digest(model.parameters()),
             "rng_after": torch.rand(2).tolist(),
         }

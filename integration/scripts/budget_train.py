@@ -1,14 +1,16 @@
-"""An 8-layer tiny Llama (hidden 32, batch 2, sequence 64, attention dropout on) trained one step,
+"""An 8-layer tiny Llama (hidden 32, batch 2, sequence 64, attention dropout on) trained two steps,
 once without checkpointing and then once per memory budget with `gradient_checkpointing_enable()`,
 each budget set in the environment (GCPATCH_MEMORY_BUDGET) before its model is built. Ordinary
-user code: nothing here imports gcpatch. It measures by itself what each first step's forward holds
-for the backward (every storage an operator allocated that is still alive after the forward, with
-a dispatch mode of its own), how many layers its backward recomputes, and compares every gradient
-with the run without checkpointing.
+user code: nothing here imports gcpatch. It measures by itself what each step's forward holds for
+the backward (every storage an operator allocated that is still alive after the forward, with a
+dispatch mode of its own), how many layers its backward recomputes, and compares every gradient
+with the run without checkpointing. The figures are the second step's (the first step runs with
+checkpointing as enabled while the budget's plan is made, which applies from the second on); the
+first step's held bytes are reported beside them.
 
 usage: budget_train.py --setup loop|trainer|lora --budgets 0.6,0.25,0.01[,unset]
   loop:    a plain training loop
-  trainer: transformers' Trainer, gradient_checkpointing=True (a first-step probe optimizer)
+  trainer: transformers' Trainer, gradient_checkpointing=True (a probe optimizer, lr 0)
   lora:    PEFT LoRA (get_peft_model after gradient_checkpointing_enable)
   unset:   the budget variable removed (checkpointing as without it)
 prints one line: RESULT {json}
@@ -125,13 +127,18 @@ def loop_step(budget):
     model.train()
     counter = Recomputes(model)
     batch = ids()
-    torch.manual_seed(11)
-    with HeldBytes() as held:
-        loss = model(input_ids=batch, labels=batch).loss
-    nbytes = held.alive()
-    counter.backward = True
-    loss.backward()
-    return model, nbytes, counter.count, c.trainable_grads(model), torch.rand(2).tolist()
+    held_per_step = []
+    for step in (1, 2):
+        model.zero_grad(set_to_none=True)
+        counter.backward, counter.count = False, 0
+        torch.manual_seed(10 + step)
+        with HeldBytes() as held:
+            loss = model(input_ids=batch, labels=batch).loss
+        held_per_step.append(held.alive())
+        counter.backward = True
+        loss.backward()
+    grads = c.trainable_grads(model)
+    return model, held_per_step, counter.count, grads, torch.rand(2).tolist()
 
 
 def trainer_step(budget):
@@ -142,6 +149,7 @@ def trainer_step(budget):
 
     class MeasuringTrainer(Trainer):
         def compute_loss(self, model, inputs, *args, **kwargs):
+            counter.backward, counter.count = False, 0
             with HeldBytes() as mode:
                 loss = super().compute_loss(model, inputs, *args, **kwargs)
             held.append(mode.alive())
@@ -149,12 +157,12 @@ def trainer_step(budget):
             return loss
 
     counter = Recomputes(model)
-    probe = c.FirstStepProbe(model)
+    probe = StepProbe(model, counter, at=2)
     out = tempfile.mkdtemp(prefix="budget-trainer-")
     args = TrainingArguments(
         output_dir=out,
         per_device_train_batch_size=BATCH,
-        max_steps=1,
+        max_steps=2,
         report_to=[],
         gradient_checkpointing=budget is not None,
         save_strategy="no",
@@ -167,7 +175,24 @@ def trainer_step(budget):
     MeasuringTrainer(
         model=model, args=args, train_dataset=c.Batch(ids()), optimizers=(probe, None)
     ).train()
-    return model, held[0], counter.count, probe.grads, torch.rand(2).tolist()
+    return model, held, probe.recomputed, probe.grads, torch.rand(2).tolist()
+
+
+class StepProbe(torch.optim.SGD):
+    """An lr=0 SGD handed to the Trainer: at its `at`-th step it records the trainable gradients
+    and how many layers that step's backward recomputed."""
+
+    def __init__(self, model, counter, at: int) -> None:
+        super().__init__([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        self.model, self.counter, self.at, self.steps = model, counter, at, 0
+        self.grads, self.recomputed = None, None
+
+    def step(self, closure=None):
+        self.steps += 1
+        if self.steps == self.at:
+            self.grads = c.trainable_grads(self.model)
+            self.recomputed = self.counter.count
+        return super().step(closure)
 
 
 def main() -> None:
@@ -179,14 +204,16 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     step = trainer_step if ARGS.setup == "trainer" else loop_step
     os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
-    _, ref_bytes, ref_recomputed, ref_grads, ref_rng = step(None)
+    _, ref_held, ref_recomputed, ref_grads, ref_rng = step(None)
+    ref_bytes = ref_held[1]
     cases = {}
     for budget in ARGS.budgets.split(","):
         if budget == "unset":
             os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
         else:
             os.environ["GCPATCH_MEMORY_BUDGET"] = budget
-        model, nbytes, recomputed, grads, rng_after = step(budget)
+        model, held_per_step, recomputed, grads, rng_after = step(budget)
+        nbytes = held_per_step[1]
         compared = c.compare_grads(grads, ref_grads, atol=0.0)
         diff = max(
             (float((g - ref_grads[n]).abs().max()) for n, g in grads.items() if g is not None),
@@ -194,6 +221,7 @@ def main() -> None:
         )
         cases[budget] = {
             "held_bytes": nbytes,
+            "first_step_held_bytes": held_per_step[0],
             "fraction": nbytes / ref_bytes,
             "recomputed": recomputed,
             "flags": [

@@ -1,17 +1,20 @@
-"""GCPATCH_MEMORY_BUDGET at work: at a model's first training forward, measure its layers, choose
-the cheapest checkpointing that meets the budget, switch the other layers' checkpointing off, and
-say so in one line.
+"""GCPATCH_MEMORY_BUDGET at work: measure a model's layers, choose the cheapest checkpointing that
+meets the budget, switch the other layers' checkpointing off, and say so in one line.
 
-It runs where verify runs (the first grad-enabled forward, before it), on a slice of that batch,
-in forward passes only: no gradient is computed, the RNG streams are forked and rewound and the
-buffers put back, so the user's step runs exactly as if the plan had been there from the start.
-A per-layer plan needs a per-layer switch: transformers' GradientCheckpointingLayer (4.52+)
-reads each layer's own `gradient_checkpointing` flag. Families whose model loop checkpoints the
-layers have none, and keep full checkpointing with the reason said. Under DDP every rank runs
-rank 0's plan, handed over through the process group's store (times differ per rank, so a plan
-measured on each could differ); FSDP and ZeRO-3 keep full checkpointing: a measuring forward
-would run their collectives on one rank only. With GCPATCH_VERIFY=1 the user's own first step is
-measured too, and the line says what it really held.
+It runs once the user's first training forward has returned (gcpatch/step/first_step.py), before
+that step's backward: the first step itself runs with checkpointing as enabled (every layer, the
+floor of the budget), so nothing of the user's runs twice before their own forward and an exception
+of their own surfaces from their own call. The measuring passes run on a slice of that batch, in
+forward passes only, invisibly (gcpatch/step/invisible.py): RNG, buffers and flags as they were,
+the user's own hooks off. The plan applies from the next training forward on.
+
+A per-layer plan needs a per-layer switch: transformers' GradientCheckpointingLayer (4.52+) reads
+each layer's own `gradient_checkpointing` flag. Families whose model loop checkpoints the layers
+have none, and keep full checkpointing with the reason said. Under DDP every rank runs rank 0's
+plan, handed over through the process group's store (times differ per rank, so a plan measured on
+each could differ); FSDP and ZeRO-3 keep full checkpointing: a measuring forward would run their
+collectives on one rank only. With GCPATCH_VERIFY=1 the next step, the first with the plan in
+place, is measured too, and a line says what it really held.
 """
 
 from __future__ import annotations
@@ -25,75 +28,47 @@ from datetime import timedelta
 from typing import Any, Iterator
 
 from gcpatch import budget as budget_mod
-from gcpatch import record, settings, verify
+from gcpatch import lifetime, record, settings
 from gcpatch.facts import checkpoint_layers, checkpoint_site
-from gcpatch.ranks import rank
+from gcpatch.ranks import default_store, rank
+from gcpatch.step import invisible, layer_costs, solver
+from gcpatch.step.batch import batch_size, first_rows
+from gcpatch.step.held import Held
 
 log = logging.getLogger("gcpatch")
 TOLERANCE = (
     0.05  # the plan is expected within 5% of its budget: bytes are extrapolated from a slice
 )
 DEFAULT_TIMEOUT_S = 1800.0  # as long as DDP's own collectives wait by default
-
-_armed: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
-_plans: "weakref.WeakKeyDictionary[Any, list[bool]]" = weakref.WeakKeyDictionary()
-_shared: dict[
-    str, int
-] = {}  # model class -> plans handed over so far (the same count on every rank)
-_measuring = False
 _ABSENT = object()  # a layer without its own `gradient_checkpointing` (the class default applies)
 
-
-def arm(model: Any, chosen: budget_mod.Budget) -> None:
-    """Plan `model` at its first grad-enabled forward. A model planned already (enabled again,
-    e.g. by the Trainer's `train()`) gets its plan back at once: the framework's enable has just
-    switched every layer on."""
-    try:
-        flags = _plans.get(model)
-        if flags is not None:
-            _apply(model, flags)
-            return
-        for handle in _armed.pop(model, ()):
-            handle.remove()
-        _armed[model] = [
-            m.register_forward_pre_hook(_once(weakref.ref(model), chosen), with_kwargs=True)
-            for m in _entered(model)
-        ]
-    except Exception as exc:  # noqa: BLE001 (fail open)
-        log.error(
-            "gcpatch: memory budget not armed for %s (%s: %s); checkpointing stays as decided",
-            type(model).__name__,
-            type(exc).__name__,
-            exc,
-        )
+# What a model was planned to (a re-enable, e.g. the Trainer's `train()`, gets it back at once),
+# and how many plans each model class handed over so far (the same count on every rank).
+_plans: weakref.WeakKeyDictionary[Any, list[bool]] = weakref.WeakKeyDictionary()
+_shared: dict[str, int] = {}
 
 
-def _entered(model: Any) -> list[Any]:
-    """The modules whose pre-hooks see the model's first forward: the model, and its base model,
-    since peft < 0.18 enters the model's `forward` without a module call (as verify.arm)."""
-    base = getattr(model, "base_model", None)
-    if base is None or base is model or not hasattr(base, "register_forward_pre_hook"):
-        return [model]
-    return [model, base]
+@lifetime.activation
+def reset() -> None:
+    """Forget every plan (a re-activation starts as a fresh process)."""
+    _plans.clear()
+    _shared.clear()
 
 
-def _once(outer: Any, chosen: budget_mod.Budget) -> Any:
-    def first_forward(module: Any, args: tuple, kwargs: dict) -> None:
-        target = outer()
-        if target is not None:
-            _on_first_forward(target, module, args, kwargs, chosen)
+def restore(model: Any) -> bool:
+    """A model planned already, enabled again (the framework's enable has just switched every layer
+    on): its plan back at once. Whether it had one."""
+    flags = _plans.get(model)
+    if flags is None:
+        return False
+    apply(model, flags)
+    return True
 
-    return first_forward
 
-
-def _on_first_forward(
-    model: Any, module: Any, args: tuple, kwargs: dict, chosen: budget_mod.Budget
-) -> None:
+def plan(model: Any, module: Any, args: tuple, kwargs: dict, chosen: budget_mod.Budget) -> dict:
+    """Measure, solve and apply the plan for `model` from this forward's batch (`module`: the model
+    or the base model whose forward was entered); report it. Returns the outcome."""
     torch = sys.modules["torch"]
-    if _measuring or not torch.is_grad_enabled():
-        return
-    for handle in _armed.pop(model, ()):
-        handle.remove()
     cfg = settings.read()
     name = type(model).__name__
     try:
@@ -102,10 +77,9 @@ def _on_first_forward(
         outcome = {"skipped": f"planning failed ({type(exc).__name__}: {exc})"}
     if "flags" in outcome:
         _plans[model] = outcome["flags"]
-        _apply(model, outcome["flags"])
+        apply(model, outcome["flags"])
     _report(name, chosen, outcome, cfg)
-    if "flags" in outcome and cfg.verify:
-        _confirm_on_this_step(module, name, outcome, cfg)
+    return outcome
 
 
 def _plan(
@@ -125,11 +99,11 @@ def _plan(
             )
         }
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    reason = verify._unsupported(torch, module, trainable, kwargs)
-    # verify's reasons, but for the optimizer-in-backward one: the measuring passes run no backward
+    reason = invisible.unsupported(torch, module, trainable, kwargs)
+    # the optimizer-in-backward reason does not hold here: the measuring passes run no backward
     if reason and not reason.startswith("parameters carry post-accumulate-grad hooks"):
         return {"skipped": reason}
-    batch = verify._batch_size(torch, args, kwargs)
+    batch = batch_size(torch, args, kwargs)
     if batch is None:
         return {"skipped": "no tensor input with a batch dimension"}
     dist = _distributed()
@@ -153,22 +127,17 @@ def _measure_and_solve(
     batch: int,
     chosen: budget_mod.Budget,
 ) -> dict:
-    from gcpatch import layer_costs
-
     def run(rows: int) -> Any:
-        s_args, s_kwargs = verify._slice(
-            torch, (tuple(args), dict(kwargs)), batch, min(rows, batch)
-        )
+        s_args, s_kwargs = first_rows(torch, (tuple(args), dict(kwargs)), batch, min(rows, batch))
         return module(*s_args, **s_kwargs)
 
-    with _invisible(torch, module, layers):
-        measured = layer_costs.measure(
-            module, layers, run, batch, [type(m).__name__ for m in layers]
-        )
-    plan = budget_mod.solve(measured.layers, measured.outside, chosen.limit(measured.plain_total))
+    with invisible.gcpatch_pass(torch, module), _all_plain(layers):
+        kinds = [type(m).__name__ for m in layers]
+        measured = layer_costs.measure(module, layers, run, batch, kinds)
+    found = solver.solve(measured.layers, measured.outside, chosen.limit(measured.plain_total))
     return {
-        "flags": plan.checkpoint,
-        "plan": _plan_dict(plan),
+        "flags": found.checkpoint,
+        "plan": _plan_dict(found),
         "measured": {
             "rows": measured.rows,
             "batch": batch,
@@ -186,57 +155,39 @@ def _measure_and_solve(
     }
 
 
-def _plan_dict(plan: budget_mod.Plan) -> dict:
-    return {
-        "checkpointed": plan.count,
-        "layers": len(plan.checkpoint),
-        "limit_bytes": plan.limit,
-        "plain_bytes": plan.plain_total,
-        "floor_bytes": plan.floor,
-        "planned_bytes": plan.total,
-        "recompute_s": plan.recompute_s,
-        "full_recompute_s": plan.full_recompute_s,
-        "every_n_layers": plan.every_n_layers(),
-        "below_floor": plan.below_floor,
-        "exact": plan.exact,
-    }
-
-
 @contextlib.contextmanager
-def _invisible(torch: Any, module: Any, layers: list) -> Iterator[None]:
-    """Every layer plain, verify's and this module's hooks quiet, the RNG streams and buffers
-    as they were, for the measuring forwards."""
-    global _measuring
+def _all_plain(layers: list) -> Iterator[None]:
+    """Every layer plain for the measuring forwards; their own flags back afterwards."""
     flags = [(m, vars(m).get("gradient_checkpointing", _ABSENT)) for m in layers]
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = sorted(
-        {p.device.index or 0 for p in module.parameters() if p.device.type not in ("cpu", "meta")}
-    )
-    device_type = next(
-        (p.device.type for p in module.parameters() if p.device.type not in ("cpu", "meta")), "cuda"
-    )
-    checking, _measuring, verify._checking = verify._checking, True, True
     try:
-        with (
-            torch.random.fork_rng(devices=devices, device_type=device_type),
-            verify._python_rng_kept(),
-        ):
-            for m, _ in flags:
-                m.gradient_checkpointing = False
-            yield
+        for m, _ in flags:
+            m.gradient_checkpointing = False
+        yield
     finally:
-        _measuring, verify._checking = False, checking
         for m, old in flags:
             if old is _ABSENT:
                 vars(m).pop("gradient_checkpointing", None)
             else:
                 m.gradient_checkpointing = old
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
 
 
-def _apply(model: Any, flags: list[bool]) -> None:
+def _plan_dict(found: solver.Plan) -> dict:
+    return {
+        "checkpointed": found.count,
+        "layers": len(found.checkpoint),
+        "limit_bytes": found.limit,
+        "plain_bytes": found.plain_total,
+        "floor_bytes": found.floor,
+        "planned_bytes": found.total,
+        "recompute_s": found.recompute_s,
+        "full_recompute_s": found.full_recompute_s,
+        "every_n_layers": found.every_n_layers(),
+        "below_floor": found.below_floor,
+        "exact": found.exact,
+    }
+
+
+def apply(model: Any, flags: list[bool]) -> None:
     layers = [
         m for m in checkpoint_layers(model) if getattr(m, "gradient_checkpointing", False) is True
     ]
@@ -258,9 +209,8 @@ def _apply(model: Any, flags: list[bool]) -> None:
 
 def _report(name: str, chosen: budget_mod.Budget, outcome: dict, cfg: settings.Settings) -> None:
     line = f"gcpatch: rank {rank()} budget {name}: {_line(chosen, outcome)}"
-    level = (
-        logging.WARNING if "skipped" in outcome or outcome["plan"]["below_floor"] else logging.INFO
-    )
+    below = "plan" in outcome and outcome["plan"]["below_floor"]
+    level = logging.WARNING if "skipped" in outcome or below else logging.INFO
     log.log(level, "%s", line)
     record.event(
         {
@@ -303,8 +253,8 @@ def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
         f" {size(plan['planned_bytes'])}, {plan['planned_bytes'] / plain:.0%} of"
         f" {size(plan['plain_bytes'])} without checkpointing (saves"
         f" {1 - plan['planned_bytes'] / plain:.0%}; full checkpointing"
-        f" {plan['floor_bytes'] / plain:.0%}); expected recompute {plan['recompute_s'] / full:.0%}"
-        " of full checkpointing's"
+        f" {plan['floor_bytes'] / plain:.0%}); expected recompute"
+        f" {plan['recompute_s'] / full:.0%} of full checkpointing's"
     )
 
 
@@ -313,65 +263,69 @@ def _details(outcome: dict) -> list[str]:
     if not measured:
         return []
     flags = outcome.get("flags", [])
+    size = budget_mod.size
     out = [
         f"measured on {'/'.join(map(str, measured['rows']))} of {measured['batch']} rows in "
         f"{measured['seconds']:.3g} s, extrapolated to the batch; outside the layers "
-        f"{budget_mod.size(measured['outside_bytes'])}"
+        f"{size(measured['outside_bytes'])}"
     ]
     for i, layer in enumerate(measured["layers"]):
         out.append(
-            f"layer {i}: {'checkpointed' if i < len(flags) and flags[i] else 'plain'}; holds"
-            f" {budget_mod.size(layer['plain_bytes'])} plain,"
-            f" {budget_mod.size(layer['checkpointed_bytes'])} checkpointed; recompute"
-            f" {layer['recompute_s'] * 1e3:.3g} ms"
+            f"layer {i}: {'checkpointed' if i < len(flags) and flags[i] else 'plain'}; holds "
+            f"{size(layer['plain_bytes'])} plain, {size(layer['checkpointed_bytes'])} "
+            f"checkpointed; recompute {layer['recompute_s'] * 1e3:.3g} ms"
         )
     return out
 
 
-def _confirm_on_this_step(module: Any, name: str, outcome: dict, cfg: settings.Settings) -> None:
-    """GCPATCH_VERIFY=1: count what the user's own first forward holds, with the plan in place."""
-    from gcpatch import layer_costs
+class Confirmation:
+    """GCPATCH_VERIFY=1: counts what the first forward with the plan in place really holds, and
+    says it in one line (first_step starts it before that forward and ends it after)."""
 
-    held = layer_costs.Held()
-    held.__enter__()
-    handle: list[Any] = []
+    def __init__(self, name: str, outcome: dict) -> None:
+        self.name, self.outcome = name, outcome
+        self.held = Held()
 
-    def done(mod: Any, args: Any, output: Any) -> None:
-        if verify._checking:  # verify's own passes on this model, run from its pre-hook after ours
-            return
-        for h in handle:
-            h.remove()
+    def __enter__(self) -> Confirmation:
+        self.held.__enter__()
+        return self
+
+    def done(self, output: Any) -> None:
+        cfg = settings.read()
         try:
-            held.__exit__(None, None, None)
-            total = held.total(returned=output)
-        except Exception as exc:  # noqa: BLE001
+            self.held.__exit__(None, None, None)
+            total = self.held.total(returned=output)
+        except Exception as exc:  # noqa: BLE001 (fail open: the step goes on unmeasured)
             log.error(
                 "gcpatch: rank %d budget %s: the real step could not be measured (%s: %s)",
                 rank(),
-                name,
+                self.name,
                 type(exc).__name__,
                 exc,
             )
             return
-        plan = outcome["plan"]
+        plan = self.outcome["plan"]
         ok = total <= max(plan["limit_bytes"], plan["floor_bytes"]) * (1 + TOLERANCE)
+        size = budget_mod.size
         line = (
-            f"gcpatch: rank {rank()} budget {name}: verified on the real step: activations"
-            f" {budget_mod.size(total)} held (planned {budget_mod.size(plan['planned_bytes'])},"
-            f" budget {budget_mod.size(plan['limit_bytes'])}){'' if ok else ': OVER the budget'}"
+            f"gcpatch: rank {rank()} budget {self.name}: verified on the real step: activations "
+            f"{size(total)} held (planned {size(plan['planned_bytes'])}, budget "
+            f"{size(plan['limit_bytes'])}){'' if ok else ': OVER the budget'}"
         )
         log.log(logging.INFO if ok else logging.WARNING, "%s", line)
         record.event(
             {
                 "stage": "budget-verify",
-                "model": name,
+                "model": self.name,
                 "line": line,
                 "budget_verify": {"held_bytes": total, "within": ok, **plan},
             },
             cfg.record_dir,
         )
 
-    handle.append(module.register_forward_hook(done, always_call=True))
+    def abandon(self) -> None:
+        with contextlib.suppress(Exception):
+            self.held.__exit__(None, None, None)
 
 
 def _distributed() -> Any:
@@ -392,8 +346,6 @@ def _key(model_name: str) -> str:
 
 
 def _publish(dist: Any, model_name: str, outcome: dict) -> None:
-    from gcpatch.ranks import default_store
-
     store = default_store(dist)
     if store is None:
         log.warning(
@@ -405,8 +357,6 @@ def _publish(dist: Any, model_name: str, outcome: dict) -> None:
 
 
 def _from_rank0(dist: Any, model_name: str) -> dict:
-    from gcpatch.ranks import default_store
-
     store = default_store(dist)
     if store is None:
         return {"skipped": "no process-group store to receive rank 0's plan through"}

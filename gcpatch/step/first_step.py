@@ -1,0 +1,255 @@
+"""The first training step of each model gcpatch decided for, from one pair of hooks per model:
+verify before its forward, the memory budget's plan after that forward (before its backward).
+
+A pre-hook and a forward hook sit on the model, and on its base model (peft < 0.18 enters the
+model's `forward` without a module call: then only the base model's hooks run). At the first
+forward that builds a graph (not one of gcpatch's own passes, not inside torch.compile's tracing,
+not one asking for a KV cache): verify runs (GCPATCH_VERIFY=1) and may correct the set-up before
+the user's forward does; when that forward returns, the planner measures and plans
+(GCPATCH_MEMORY_BUDGET). With both, the next training forward, the first with the plan in place, is
+counted too. Then the hooks are gone. A deep copy of the model (TRL's reference model, an EMA
+copy) made while they wait gets hooks of its own, bound to the copy; a pickle names the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+import weakref
+from typing import Any, Callable
+
+from gcpatch import budget as budget_mod
+from gcpatch import lifetime
+from gcpatch.facts import passes_kv_cache
+from gcpatch.step import invisible, planner, verify
+
+log = logging.getLogger("gcpatch")
+
+# waiting: for the first training forward; forward: it runs, the plan is made when it returns;
+# confirm: the next training forward is counted (verify + budget); done: the hooks are gone
+WAITING, FORWARD, CONFIRM, DONE = "waiting", "forward", "confirm", "done"
+
+
+class FirstStep:
+    """What runs at one model's first training step, and the hooks that run it."""
+
+    def __init__(
+        self,
+        model: Any,
+        chosen: budget_mod.Budget | None,
+        verifying: bool,
+        correct: verify.Correct | None,
+    ) -> None:
+        self.model = weakref.ref(model) if model is not None else None
+        self.budget, self.verifying, self.correct = chosen, verifying, correct
+        self.phase = WAITING
+        self.entered: Any = None  # the module whose forward this step is (the model or its base)
+        self.batch: tuple | None = None  # the first forward's (args, kwargs), until it returns
+        self.outcome: dict = {}
+        self.confirmation: planner.Confirmation | None = None
+        self.before, self.after = _Before(self), _After(self)
+        self.handles: list[Any] = []
+
+    def register(self, modules: list[Any]) -> None:
+        for module in modules:
+            self.handles.append(module.register_forward_pre_hook(self.before, with_kwargs=True))
+            self.handles.append(
+                module.register_forward_hook(self.after, with_kwargs=True, always_call=True)
+            )
+        self.modules = [weakref.ref(m) for m in modules]
+
+    def started(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if not _training_forward(kwargs) or (
+            self.entered is not None and module is not self.entered
+        ):
+            return
+        model = self.model() if self.model is not None else None
+        if model is None:
+            self.finish()
+            return
+        if self.phase in (WAITING, FORWARD):  # FORWARD: an earlier first forward never returned
+            self.entered = module
+            if self.phase == WAITING and self.verifying:
+                verify.run(model, module, args, kwargs, self.correct)
+            if self.budget is None:
+                self.finish()
+                return
+            self.phase, self.batch = FORWARD, (args, kwargs)
+        elif self.phase == CONFIRM:
+            self.confirmation = planner.Confirmation(type(model).__name__, self.outcome)
+            self.confirmation.__enter__()
+
+    def returned(self, module: Any, output: Any) -> None:
+        if module is not self.entered or invisible.active():
+            return
+        if self.phase == CONFIRM and self.confirmation is not None:
+            confirmation, self.confirmation = self.confirmation, None
+            if output is None:  # the forward raised: count the next one instead
+                confirmation.abandon()
+                return
+            confirmation.done(output)
+            self.finish()
+        elif self.phase == FORWARD and self.batch is not None and output is not None:
+            self._plan(module)
+
+    def _plan(self, module: Any) -> None:
+        model = self.model() if self.model is not None else None
+        (args, kwargs), self.batch = self.batch, None
+        if model is None:
+            self.finish()
+            return
+        try:
+            self.outcome = planner.plan(model, module, args, kwargs, self.budget)
+        except BaseException:  # KeyboardInterrupt while measuring: plan again at the next forward
+            self.phase = WAITING
+            log.warning(
+                "gcpatch: memory budget for %s: measuring was interrupted; its state is restored"
+                " and it is planned again at the next training forward",
+                type(model).__name__,
+            )
+            raise
+        if self.verifying and "flags" in self.outcome:
+            self.phase = CONFIRM
+        else:
+            self.finish()
+
+    def finish(self) -> None:
+        self.phase = DONE
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        for ref in getattr(self, "modules", ()):  # a copy's hooks have no handle
+            module = ref()
+            if module is not None:
+                _remove(module, self.before, self.after)
+
+    def __deepcopy__(self, memo: dict) -> FirstStep:
+        model = self.model() if self.model is not None else None
+        twin = FirstStep(memo.get(id(model)), self.budget, self.verifying, self.correct)
+        twin.modules = [
+            weakref.ref(memo[id(m())]) for m in getattr(self, "modules", ()) if id(m()) in memo
+        ]
+        return twin
+
+    def __reduce__(self) -> Any:
+        model = self.model() if self.model is not None else None
+        return FirstStep, (model, self.budget, self.verifying, self.correct)
+
+
+class _Before:
+    """The pre-hook of a FirstStep: module-level, so a model carrying it copies and pickles."""
+
+    def __init__(self, step: FirstStep) -> None:
+        self.step = step
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self.step.started(module, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _Before:
+        return copy.deepcopy(self.step, memo).before
+
+    def __reduce__(self) -> Any:
+        return _before_of, (self.step,)
+
+
+class _After:
+    """The forward hook of a FirstStep (always called: a forward that raised ends a count)."""
+
+    def __init__(self, step: FirstStep) -> None:
+        self.step = step
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        self.step.returned(module, output)
+
+    def __deepcopy__(self, memo: dict) -> _After:
+        return copy.deepcopy(self.step, memo).after
+
+    def __reduce__(self) -> Any:
+        return _after_of, (self.step,)
+
+
+def _before_of(step: FirstStep) -> _Before:
+    return step.before
+
+
+def _after_of(step: FirstStep) -> _After:
+    return step.after
+
+
+def _remove(module: Any, *hooks: Any) -> None:
+    for table in ("_forward_pre_hooks", "_forward_hooks"):
+        entries = getattr(module, table)
+        for key, value in list(entries.items()):
+            if any(value is hook for hook in hooks):
+                del entries[key]
+
+
+def _training_forward(kwargs: dict) -> bool:
+    """A forward that builds a graph for a training step: grad on, not gcpatch's own pass, not
+    traced by torch.compile (deciding is eager work; it waits for an eager forward), not asking
+    for a KV cache."""
+    torch = sys.modules["torch"]
+    if invisible.active() or not torch.is_grad_enabled():
+        return False
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and compiler.is_compiling():
+        return False
+    return kwargs.get("use_cache") is not True and not passes_kv_cache(kwargs)
+
+
+# FirstStep of each model armed and not yet done (one per model; a re-enable keeps it).
+_armed: weakref.WeakKeyDictionary[Any, FirstStep] = weakref.WeakKeyDictionary()
+
+
+def arm(
+    model: Any,
+    chosen: budget_mod.Budget | None,
+    verifying: bool,
+    correct: Callable[..., str] | None = None,
+) -> None:
+    """Run the first step's work for `model` at its first training forward. Enabled again (the
+    Trainer's `train()`), a model already planned gets its plan back at once, and one still
+    waiting keeps its hooks."""
+    if chosen is None and not verifying:
+        return
+    try:
+        if chosen is not None and planner.restore(model):
+            chosen = None  # planned already: the plan stands, only verify may still wait
+        current = _armed.get(model)
+        if current is not None and current.phase != DONE:
+            return
+        if chosen is None and not verifying:
+            return
+        if current is not None and current.verifying:
+            verifying = False  # verified already: once per model
+        if chosen is None and not verifying:
+            return
+        step = FirstStep(model, chosen, verifying, correct)
+        step.register(_entered(model))
+        _armed[model] = step
+    except Exception as exc:  # noqa: BLE001 (fail open: checkpointing stays as decided)
+        log.error(
+            "gcpatch: first-step work (budget, verify) not armed for %s (%s: %s); checkpointing"
+            " stays as decided",
+            type(model).__name__,
+            type(exc).__name__,
+            exc,
+        )
+
+
+def _entered(model: Any) -> list[Any]:
+    """The modules whose hooks see the model's first forward: the model, and its base model, since
+    peft < 0.18 enters the model's `forward` without a module call."""
+    base = getattr(model, "base_model", None)
+    if base is None or base is model or not hasattr(base, "register_forward_pre_hook"):
+        return [model]
+    return [model, base]
+
+
+@lifetime.activation
+def reset() -> None:
+    """Forget which models were armed (their hooks stay with them and stand aside once done)."""
+    for step in list(_armed.values()):
+        step.finish()
+    _armed.clear()
