@@ -66,9 +66,19 @@ _states: weakref.WeakKeyDictionary[Any, ModelState] = weakref.WeakKeyDictionary(
 @lifetime.activation
 def forget() -> None:
     """Every model gcpatch changed given back (hooks removed, use_cache restored), and forgotten."""
-    for model in list(_states.keys()):
-        remove_all(model)
-    _states.clear()
+    try:
+        for model in list(_states.keys()):
+            try:
+                remove_all(model)
+            except Exception as exc:  # noqa: BLE001 (fail open: the other models still given back)
+                log.error(
+                    "gcpatch: could not give %s back (%s: %s)",
+                    type(model).__name__,
+                    type(exc).__name__,
+                    exc,
+                )
+    finally:
+        _states.clear()
 
 
 def state_of(model: Any) -> ModelState:

@@ -12,7 +12,13 @@ from _asserts import assert_installed_gcpatch_ran, assert_plain
 from _run import V5, Spec
 
 SCRIPT = "copies.py"
-RUNS = [Spec(SCRIPT)]
+VERIFY_WAITS = Spec(
+    SCRIPT, ("--cases", "deepcopy_while_verify_waits"), env=(("GCPATCH_VERIFY", "1"),)
+)
+BUDGET_WAITS = Spec(
+    SCRIPT, ("--cases", "deepcopy_while_the_budget_waits"), env=(("GCPATCH_MEMORY_BUDGET", "0.5"),)
+)
+RUNS = [Spec(SCRIPT), VERIFY_WAITS, BUDGET_WAITS]
 CASES = (
     "hf_deepcopy_after_a_step",
     "hf_deepcopy_in_eval_mode_before_first_step",
@@ -76,3 +82,34 @@ def test_the_copy_keeps_the_decision_where_plain_gives_wrong_gradients(runs):
     # FSDP's reentrant checkpoint_wrapper with a frozen embedding: plainly wrong, copied or saved
     assert runs[1]["fsdp_checkpoint_wrapper_deepcopy"]["wrong"] > 0
     assert runs[0]["fsdp_checkpoint_wrapper_deepcopy"]["wrong"] == 0
+
+
+def _armed_run(script_runs, spec):
+    run = script_runs.get(SCRIPT, *spec.args, gcpatch=True, env=dict(spec.env))
+    assert_installed_gcpatch_ran(run)
+    return run, run.result["cases"][spec.args[1]]
+
+
+def test_a_copy_made_while_verify_waits_is_verified_for_itself_and_both_train_exactly(script_runs):
+    """Before, the copy carried the original's verify hook: it checked the original on every one of
+    the copy's forwards and its gradients crossed between the two."""
+    run, got = _armed_run(script_runs, VERIFY_WAITS)
+    assert "error" not in got, got
+    assert got["original_wrong"] == got["copy_wrong"] == 0, got
+    verified = [r for r in run.records() if r.get("stage") == "verify"]
+    assert len(verified) == 2 and all(r["verify"]["gradients_match"] for r in verified), verified
+    assert got["original_hooks_left"] == got["copy_hooks_left"] == 0, got  # nothing of verify left
+
+
+def test_a_copy_made_while_the_budget_waits_plans_for_itself(script_runs):
+    """Before, the copy trained with "no layer has checkpointing on" and one of the two held
+    everything: the original's plan hook ran on the copy's forward."""
+    run, got = _armed_run(script_runs, BUDGET_WAITS)
+    assert "error" not in got, got
+    assert got["original_wrong"] == got["copy_wrong"] == 0, got
+    plans = [r["budget"] for r in run.records() if r.get("stage") == "budget"]
+    assert len(plans) == 2 and all("flags" in p for p in plans), plans  # one plan per model
+    assert got["original_layers_checkpointing"] == got["copy_layers_checkpointing"], got
+    assert got["original_layers_checkpointing"] == sum(plans[0]["flags"]), (got, plans)
+    assert "no layer has checkpointing on" not in run.stderr
+

@@ -46,7 +46,7 @@ BAD = [
     (
         "GCPATCH_MEMORY_BUDGET",
         "lots",
-        "GCPATCH_MEMORY_BUDGET='lots' is neither a fraction like 0.5 nor a size like 6GiB or 800MB; no budget is applied",
+        "GCPATCH_MEMORY_BUDGET='lots' is not a budget: neither a fraction like 0.5 nor a size like 6GiB or 800MB; no budget is applied",
     ),
 ]
 

@@ -32,7 +32,7 @@ def funcs(model):
 def hooks(model):
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 def root_pre_hooks(model):
-    return sorted(getattr(h, "__name__", repr(h)) for h in model._forward_pre_hooks.values())
+    return sorted(getattr(h, "__name__", type(h).__name__) for h in model._forward_pre_hooks.values())
 """
 
 
@@ -123,8 +123,8 @@ print("RESULT " + json.dumps({"waiting": waiting, "verified": len(verified), "ho
     )
     r = result_of(run_python(code, tmp_path, GCPATCH="1", GCPATCH_VERIFY="1"))
     assert r["waiting"] == 0 and r["verified"] == 1 and r["match"], r
-    # armed: verify's hook on the model (R5's first-forward hook sits on the stack's runner); gone after step one
-    assert r["hooks_armed"] == ["_first_forward"] and r["hooks_after"] == [], r
+    # armed: the first step's hook on the model (R5's sits on the stack's runner); gone after step one
+    assert r["hooks_armed"] == ["_Before"] and r["hooks_after"] == [], r
 
 
 def test_verify_off_by_default_arms_nothing(tmp_path):

@@ -250,6 +250,8 @@ def _entered(model: Any) -> list[Any]:
 @lifetime.activation
 def reset() -> None:
     """Forget which models were armed (their hooks stay with them and stand aside once done)."""
-    for step in list(_armed.values()):
-        step.finish()
-    _armed.clear()
+    try:
+        for step in list(_armed.values()):
+            step.finish()
+    finally:
+        _armed.clear()

@@ -4,7 +4,9 @@ reference model, EMA and teacher copies), `pickle` of `partial(checkpoint, ...)`
 the copy must train as the original: its trainable gradients after one step are compared with a
 model that never checkpointed. Ordinary user code: nothing here imports gcpatch.
 
-usage: copies.py    prints one line: RESULT {json}, one entry per case: {"ok": bool, ...} or {"error": "..."}
+usage: copies.py [--cases a,b]    prints one line: RESULT {json}, one entry per case: {"ok": bool,
+       ...} or {"error": "..."}; the cases after the first step's work (run with GCPATCH_VERIFY=1 or
+       GCPATCH_MEMORY_BUDGET set) only when named
 """
 
 from __future__ import annotations
@@ -260,9 +262,48 @@ def trl_reference_model():
     }
 
 
+def _copied_while_armed(steps: int) -> dict:
+    """A frozen-embedding Llama enabled, then deep-copied before its first step (a TRL reference
+    model, an EMA copy) while the first step's work (verify, the budget's plan) waits: the original
+    and the copy each train `steps` steps from the same seed, and each is compared with a model
+    that never checkpointed, step by step."""
+    model = frozen_llama().train()
+    model.gradient_checkpointing_enable()
+    twin = copy.deepcopy(model)
+    out = {}
+    for name, m in (("original", model), ("copy", twin)):
+        ref = frozen_llama().train()
+        wrong = 0
+        for step_no in range(steps):
+            torch.manual_seed(100 + step_no)
+            got = step(m, c.input_ids())
+            torch.manual_seed(100 + step_no)
+            wrong += c.compare_grads(got, step(ref, c.input_ids()))["wrong"]
+        out[f"{name}_wrong"] = wrong
+        out[f"{name}_layers_checkpointing"] = sum(
+            bool(layer.gradient_checkpointing) for layer in m.model.layers
+        )
+        out[f"{name}_hooks_left"] = len(m._forward_pre_hooks) + len(m._forward_hooks)
+    out["trainable"] = sum(p.requires_grad for p in model.parameters())
+    out["wrong"] = out["original_wrong"] + out["copy_wrong"]
+    return out
+
+
+ARMED = {
+    "deepcopy_while_verify_waits": lambda: _copied_while_armed(2),
+    "deepcopy_while_the_budget_waits": lambda: _copied_while_armed(3),
+}
+
+
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="")
+    chosen = [name for name in parser.parse_args().cases.split(",") if name]
+    cases = {name: {**CASES, **ARMED}[name] for name in chosen} if chosen else CASES
     results = {}
-    for name, function in CASES.items():
+    for name, function in cases.items():
         try:
             results[name] = function()
         except Exception as exc:  # noqa: BLE001 (each case says how it failed)
