@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import harness  # noqa: E402
+from testkit import harness
 
 
 def child_env(gcpatch: bool, **extra: str) -> dict[str, str]:
-    """The environment of every child (tests/harness.py: no caller GCPATCH*, offline, one thread,
+    """The environment of every child (tests/kit/testkit/harness.py: no caller GCPATCH*, offline, one thread,
     quiet), with gcpatch switched on or off."""
     return harness.child_env(quiet=True, GCPATCH="1" if gcpatch else "0", **extra)
 

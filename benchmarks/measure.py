@@ -16,10 +16,10 @@ import timeit
 from importlib import metadata
 from pathlib import Path
 
+from testkit.harness import child_env as _child_env
+from testkit.harness import result_of
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-from harness import child_env as _child_env  # noqa: E402
-from harness import result_of  # noqa: E402
 
 WORKER = HERE / "_worker.py"
 SETUP_ORDER = ["full", "full_reentrant", "lora", "lora_embeds", "eval"]
@@ -89,7 +89,7 @@ def log(text: str) -> None:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of every child (tests/harness.py), quiet."""
+    """The environment of every child (tests/kit/testkit/harness.py), quiet."""
     return _child_env(quiet=True, **extra)
 
 

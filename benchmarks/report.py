@@ -189,7 +189,7 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
         "It writes this file, `benchmarks/results.png` and `benchmarks/results.json` (raw figures), builds two "
         "scratch venvs under `benchmarks/.work/` (git-ignored) and downloads nothing. "
         "`python benchmarks/run.py --smoke --out DIR` is the smallest setting "
-        "(`tests/test_benchmark_smoke.py` runs it); `python benchmarks/run.py --render-only` rewrites this file "
+        "(`tests/process/test_benchmark_smoke.py` runs it); `python benchmarks/run.py --render-only` rewrites this file "
         "from `results.json` (measure.py measures, report.py writes)."
     )
     add("")

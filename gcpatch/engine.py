@@ -30,8 +30,8 @@ def _v5(module: Any) -> bool:  # 5.23's choke point of both enable names
 
 # The built-in plugins' patch points: (plugin, module, target, copies, applies or None). Pinned to
 # the plugins' own declarations (gcpatch_patch_points: the same points, the same `applies` on the
-# installed release) by tests/test_patch_points.py, with LOAD_TIME_POINTS below; a third-party
-# plugin's points are registered when the plugins load.
+# installed release) by tests/process/test_patch_points.py, with LOAD_TIME_POINTS below; a
+# third-party plugin's points are registered when the plugins load.
 _TF = "transformers.modeling_utils"
 BUILTIN_POINTS: tuple[tuple[str, str, str, bool, Callable[[Any], bool] | None], ...] = (
     ("torch", "torch.utils.checkpoint", "checkpoint", True, None),

@@ -113,7 +113,7 @@ __all__ = [
 ]
 
 # The internals built-in plugins import beyond this API, and why the API does not carry them
-# (tests/test_plugin_api.py holds every module under plugins/ to this list).
+# (tests/unit/test_plugin_api.py holds every module under plugins/ to this list).
 BUILTIN_ONLY = {
     "gcpatch.apply": (
         "transformers: its input-grads hooks re-applied after an upstream rebuild (R2)"

@@ -166,7 +166,6 @@ def write_readme(gc: dict) -> None:
 
 
 def run_both() -> tuple[dict, dict]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _run import Spec, run_script
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,5 @@
 """Running the user scripts under integration/scripts/ as a user would: an interpreter of this
-venv (`sys.executable`; started warm where it can, tests/warm_starts.py), cwd a temporary
+venv (`sys.executable`; started warm where it can, tests/kit/testkit/warm_starts.py), cwd a temporary
 directory (so the INSTALLED gcpatch is the one that runs, never the checkout), HF_HUB_OFFLINE=1,
 and either GCPATCH=0 (the plain run) or GCPATCH=1 with GCPATCH_RECORD=<dir>. Nothing here
 imports gcpatch.
@@ -17,13 +17,9 @@ from importlib import metadata
 from pathlib import Path
 
 from packaging.version import Version
-
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent.parent / "tests")
-)  # scripts run outside pytest too
-from harness import child_env, free_port, parse_results, torchrun_argv  # noqa: E402
-from harness import run as harness_run  # noqa: E402
-from warm_starts import summary as warm_starts_summary  # noqa: E402, F401 - conftest reads it from here
+from testkit.harness import child_env, free_port, parse_results, torchrun_argv
+from testkit.harness import run as harness_run
+from testkit.warm_starts import summary as warm_starts_summary  # noqa: F401 - conftest reads it here
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # A decision's short line on the console (gcpatch/headline.py)

@@ -22,10 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from _run import Run, Spec, run_script
 
-from _run import Run, Spec, run_script  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 MODES = ("plain", "blunt", "gcpatch")
 

@@ -1,7 +1,7 @@
 """Fixtures of the integration suite: every script run is a subprocess, run at most once per
 session and shared by the tests that read it. The runs a test module lists in `RUNS` are
 started in the background as soon as the first test asks for one, as many at a time as there
-are CPU cores; each starts warm where it can (tests/warm_starts.py: a fork of an interpreter that
+are CPU cores; each starts warm where it can (tests/kit/testkit/warm_starts.py: a fork of an interpreter that
 has already imported the frameworks, which are most of a tiny run's cost)."""
 
 from __future__ import annotations

@@ -112,4 +112,3 @@ def test_a_copy_made_while_the_budget_waits_plans_for_itself(script_runs):
     assert got["original_layers_checkpointing"] == got["copy_layers_checkpointing"], got
     assert got["original_layers_checkpointing"] == sum(plans[0]["flags"]), (got, plans)
     assert "no layer has checkpointing on" not in run.stderr
-

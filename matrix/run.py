@@ -49,8 +49,12 @@ BASE_REQS = [
 
 # What each column of the table proves, and the tests that prove it (the same files on every cell).
 RULES: list[tuple[str, str, list[str]]] = [
-    ("patch points", "X1 entry points once, restored by identity", ["tests/test_patch_points.py"]),
-    ("canaries", "shape of every upstream patch point", ["tests/test_canaries.py"]),
+    (
+        "patch points",
+        "X1 entry points once, restored by identity",
+        ["tests/process/test_patch_points.py"],
+    ),
+    ("canaries", "shape of every upstream patch point", ["tests/unit/test_canaries.py"]),
     (
         "R1 frozen",
         "R1 partially frozen + reentrant, input_ids and inputs_embeds",
@@ -297,20 +301,20 @@ def run_cell(
     return cell
 
 
-# The same files as tox.ini's py39 ... py313 envs (tests/test_matrix_table.py keeps the two the same).
+# The same files as tox.ini's py39 ... py313 envs (tests/docs/test_matrix_table.py keeps the two the same).
 FRAMEWORK_FREE = [
-    "tests/test_activation.py",
-    "tests/test_resolve.py",
-    "tests/test_version_ranges.py",
-    "tests/test_canaries.py",
-    "tests/test_plugin_failures.py",
-    "tests/test_patch_points.py",
-    "tests/test_matrix_table.py",
-    "tests/test_import_layers.py",
-    "tests/test_cli.py",
-    "tests/test_packaging.py",
-    "tests/test_ci_script.py",
-    "tests/test_plugin_api.py",
+    "tests/process/test_activation.py",
+    "tests/unit/test_resolve.py",
+    "tests/process/test_version_ranges.py",
+    "tests/unit/test_canaries.py",
+    "tests/process/test_plugin_failures.py",
+    "tests/process/test_patch_points.py",
+    "tests/docs/test_matrix_table.py",
+    "tests/unit/test_import_layers.py",
+    "tests/process/test_cli.py",
+    "tests/process/test_packaging.py",
+    "tests/infra/test_ci_script.py",
+    "tests/unit/test_plugin_api.py",
 ]
 
 
@@ -359,7 +363,7 @@ def run_python_cell(version: str, wheel: Path, logs: Path) -> dict:
     )
     junit = logs / f"py{version}.xml"
     # results.json changes while the matrix runs: whether RESULTS.md matches it is checked by tox, not here
-    stale = "--deselect=tests/test_matrix_table.py::test_committed_results_table_is_the_rendered_results"
+    stale = "--deselect=tests/docs/test_matrix_table.py::test_committed_results_table_is_the_rendered_results"
     proc = sh(
         [
             str(venv / "bin" / "python"),
@@ -453,7 +457,7 @@ def save(key: str, value: object) -> dict:
     RESULTS_JSON.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     RESULTS_MD.write_text(
         render(results)
-    )  # the two files always agree (tests/test_matrix_table.py)
+    )  # the two files always agree (tests/docs/test_matrix_table.py)
     return results
 
 

@@ -1,7 +1,35 @@
-"""Markers of the fast suite (the integration suite registers its own)."""
+"""The suite's kinds, one folder each: unit/ (in-process), process/ (starts interpreters), infra/ (the
+test infrastructure's own tests) and docs/ (documents and the matrix agree with the code). Each test
+is marked with its folder's kind, which is how `bash .ci/run quick` selects (`-m unit`); a unit test
+that starts an interpreter fails, so the quick loop stays in-process and quick."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+KINDS = ("unit", "process", "infra", "docs")
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "distributed: runs several processes with torch.distributed.run (gloo)"
-    )
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        kind = next((k for k in KINDS if "tests" in parts and k in parts), None)
+        if kind is not None:
+            item.add_marker(kind)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_interpreter(request, monkeypatch):
+    """A unit test runs in the test's own interpreter: starting another one is a process test."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refused(*args, **kwargs):
+        raise AssertionError(
+            "a unit test started a process: move it to tests/process/ (it starts interpreters)"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refused)

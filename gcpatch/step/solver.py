@@ -3,7 +3,7 @@
 A plan is a per-layer choice: a checkpointed layer holds only its outputs and costs its forward
 again in the backward, a plain one holds every tensor its backward needs. Choosing the layers is a
 0/1 knapsack (cover the bytes to shed at the least recompute), solved exactly over the Pareto front
-of (bytes shed, recompute) and checked against exhaustive search in tests/test_budget.py.
+of (bytes shed, recompute) and checked against exhaustive search in tests/unit/test_budget.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,146 @@
+"""The version matrix's one table of release pairs (matrix/releases.csv) is complete, tox's CI slice
+uses the same pairs, the committed results table is what the runner renders from its results,
+and the transformers plugin's proven range spans the table. Framework-free."""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = list(csv.DictReader((ROOT / "matrix" / "releases.csv").open()))
+
+
+def runner():
+    spec = importlib.util.spec_from_file_location("matrix_run", ROOT / "matrix" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_minor_from_the_oldest_to_the_newest_has_one_row():
+    versions = [Version(r["transformers"]) for r in ROWS]
+    assert versions == sorted(versions)
+    minors = [(v.major, v.minor) for v in versions]
+    expected = [(4, m) for m in range(35, 58)] + [(5, m) for m in range(0, 25)]
+    assert minors == expected
+    for row in ROWS:
+        assert row["peft"] and row["trl"] and row["accelerate"] and row["source"], row
+        assert row["status"] in ("supported", "unsupported", "candidate"), row
+
+
+def test_tox_ci_slice_uses_the_table_pairs():
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    deps = tox["testenv"]["deps"].splitlines()
+    by_version = {r["transformers"]: r for r in ROWS}
+    # an env's release is its first factor (tf524-unit and tf524-it run the same release)
+    envs = sorted(
+        {
+            e.strip().split("-")[0]
+            for e in tox["tox"]["env_list"].split(",")
+            if e.strip().startswith("tf")
+        }
+    )
+    pinned = set()
+    for env in envs:
+        pins = {}
+        for line in deps:
+            factors, _, req = line.partition(":")
+            if req and env in [f.strip() for f in factors.split(",")] and "==" in req:
+                name, _, version = req.strip().partition("==")
+                pins[name] = version
+        row = by_version[pins["transformers"]]
+        assert pins == {k: row[k] for k in ("transformers", "peft", "trl", "accelerate")}, env
+        pinned.add(pins["transformers"])
+    oldest = next(r for r in ROWS if r["status"] != "unsupported")["transformers"]
+    assert pinned == {oldest, "4.57.6", ROWS[-1]["transformers"]}  # CI: oldest, 4.57, newest
+
+
+def test_committed_results_table_is_the_rendered_results():
+    module = runner()
+    results = json.loads((ROOT / "matrix" / "results.json").read_text())
+    table = (ROOT / "matrix" / "RESULTS.md").read_text()
+    assert table == module.render(results), (
+        "RESULTS.md is stale: run `python matrix/run.py --render`"
+    )
+    for row in ROWS:
+        assert f"| {row['transformers']} |" in table
+
+
+def test_a_failing_rule_is_reported_as_fail_not_dropped(tmp_path):
+    """The runner's summary of pytest's JUnit XML: a failing test makes its column fail, a skipped
+    one carries its reason, a column without tests is 'no test collected'."""
+    module = runner()
+    junit = tmp_path / "j.xml"
+    junit.write_text(
+        "<testsuites><testsuite>"
+        '<testcase classname="integration.test_frozen_gradients" name="a"><failure message="wrong 9"/></testcase>'
+        '<testcase classname="integration.test_frozen_gradients" name="b"/>'
+        '<testcase classname="integration.test_enable_arguments" name="c">'
+        '<skipped message="transformers 4.57.6 has no every_n_layers"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    out = module.summarise(junit, ["R1 frozen", "X1 args", "P4 LoRA"])
+    assert out["R1 frozen"]["state"] == "fail" and out["R1 frozen"]["n"] == 1
+    assert out["X1 args"] == {
+        "state": "skip",
+        "detail": "transformers 4.57.6 has no every_n_layers",
+    }
+    assert out["P4 LoRA"]["state"] == "fail" and out["P4 LoRA"]["detail"] == "no test collected"
+
+
+def test_transformers_plugin_proven_range_spans_the_table():
+    source = (ROOT / "plugins" / "transformers.py").read_text()
+    call = next(
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "PluginInfo"
+    )
+    proven = SpecifierSet(next(k.value.value for k in call.keywords if k.arg == "proven"))
+    supported = [r["transformers"] for r in ROWS if r["status"] != "unsupported"]
+    assert supported[0] in proven and supported[-1] in proven
+    assert "4.35.1" not in proven and "5.24.1" not in proven
+
+
+def test_the_table_names_the_gcpatch_commit_each_release_proved():
+    module = runner()
+    cell = {
+        "transformers": "4.99.0",
+        "peft": "p",
+        "trl": "t",
+        "python": "3.11",
+        "torch": "2.13.0",
+        "wall_s": 1.0,
+        "rules": {
+            "R1 frozen": {"state": "pass", "n": 2, "skipped": [], "code": "abc1234"},
+            "P4 LoRA": {"state": "pass", "n": 1, "skipped": [], "code": "abc1234"},
+            "R5 eval": {"state": "pass", "n": 1, "skipped": []},
+        },
+    }
+    assert module._codes(cell) == "abc1234 (2), - (1)"
+    assert module.code_version().split("-")[0]  # a commit, read from this checkout
+
+
+def test_tox_core_files_are_the_matrix_core_columns():
+    """CI's tf457/tf4352 run the matrix's core columns: the same test files as `matrix/run.py`'s CORE."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    module = runner()
+    core = [f for name, _, files in module.RULES if name in module.CORE for f in files]
+    assert tox["core"]["files"].split() == core
+
+
+def test_tox_framework_free_envs_run_the_matrix_framework_free_files():
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    command = tox["testenv:py{39,310,312,313}"]["commands"]
+    files = [word for word in command.split() if word.startswith("tests/")]
+    assert files == runner().FRAMEWORK_FREE

@@ -1,0 +1,117 @@
+"""Bad values for every environment variable gcpatch reads, and for the checkpoint arguments:
+each gets one line that says exactly what gcpatch does instead, and the job runs. Plugins load
+from installed distributions only: a *.dist-info next to the script needs GCPATCH_LOCAL_PLUGINS=1."""
+
+from __future__ import annotations
+
+import pytest
+from testkit.faultkit import install_fault_plugin, results, run, tally
+from testkit.subproc import requires_transformers
+
+TRAIN = """
+import json, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).train()
+m.model.embed_tokens.requires_grad_(False)
+m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": "False"})
+ids = torch.randint(0, 64, (2, 8))
+m(inputs_embeds=m.get_input_embeddings()(ids), labels=ids).loss.backward()  # frozen features, as a VLM passes them
+missing = sum(1 for p in m.parameters() if p.requires_grad and p.grad is None)
+print("RESULT " + json.dumps({"missing_grads": missing,
+      "use_reentrant": next(x._gradient_checkpointing_func for x in m.modules() if "_gradient_checkpointing_func" in vars(x)).keywords["use_reentrant"]}))
+"""
+
+# variable, bad value, the words its one line must hold
+BAD = [
+    (
+        "GCPATCH_MODE",
+        "bogus",
+        "GCPATCH_MODE='bogus' is not one of fix | warn | strict | off; using fix",
+    ),
+    (
+        "GCPATCH_LOG",
+        "loud",
+        "GCPATCH_LOG='loud' is not one of debug | info | warning | error | off; using info",
+    ),
+    (
+        "GCPATCH_DISABLE_PLUGINS",
+        "trasnformers",
+        "GCPATCH_DISABLE_PLUGINS names no installed plugin: trasnformers",
+    ),
+    ("RANK", "abc", "RANK='abc' is not an integer; gcpatch uses 0"),
+    ("WORLD_SIZE", "two", "WORLD_SIZE='two' is not an integer; gcpatch uses 1"),
+    ("GCPATCH_LOCAL_PLUGINS", "maybe", "GCPATCH_LOCAL_PLUGINS='maybe' is neither 1 nor 0"),
+    (
+        "GCPATCH_MEMORY_BUDGET",
+        "lots",
+        "GCPATCH_MEMORY_BUDGET='lots' is not a budget: neither a fraction like 0.5 nor a size like 6GiB or 800MB; no budget is applied",
+    ),
+]
+
+
+@requires_transformers
+def test_every_bad_value_gets_one_line_and_the_job_trains_with_the_rules_applied(tmp_path):
+    env = {name: value for name, value, _ in BAD}
+    proc = run(TRAIN, tmp_path, GCPATCH="1", **env)
+    got = results(proc)
+    survived = proc.returncode == 0 and len(got) == 1
+    lost = not survived or got[0]["missing_grads"] != 0
+    problems = []
+    for name, value, words in BAD + [
+        ("use_reentrant", "'False'", "use_reentrant='False' is a string, which torch reads as True")
+    ]:
+        count = sum(1 for line in proc.stderr.splitlines() if words in line)
+        tally("bad values", f"{name}={value}", survived, count == 1, lost)
+        if count != 1:
+            problems.append((name, count))
+    assert survived and not lost, proc.stderr[-3000:]
+    # the string is read as True, as torch reads it; R2 still decided (mode fix, transformers plugin not blocked):
+    # its inputs_embeds hook keeps that reentrant exact
+    assert got[0]["use_reentrant"] is True and got[0]["missing_grads"] == 0
+    assert problems == [], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["garbage", "enable"])
+def test_a_bad_gcpatch_switch_says_it_stays_off(tmp_path, value):
+    proc = run(
+        "import gcpatch; print('RESULT {\"active\": %s}' % str(gcpatch.is_active()).lower())",
+        tmp_path,
+        GCPATCH=value,
+    )
+    lines = [line for line in proc.stderr.splitlines() if "GCPATCH=" in line]
+    clear = (
+        len(lines) == 1 and "stays off, as with GCPATCH=0" in lines[0] and "default" not in lines[0]
+    )
+    tally("bad values", f"GCPATCH={value}", proc.returncode == 0, clear, False)
+    assert proc.returncode == 0 and results(proc) == [{"active": False}]
+    assert clear, proc.stderr
+
+
+LIST_PLUGINS = """
+import json, gcpatch
+from gcpatch import engine
+print("RESULT " + json.dumps(sorted(s.name for s in engine.start().statuses)))
+"""
+
+
+def test_a_dist_info_next_to_the_script_is_not_loaded_unless_asked(tmp_path):
+    install_fault_plugin(
+        tmp_path
+    )  # faulty_plugin-0.1.dist-info in the working directory, as a stray folder
+    plain = run(LIST_PLUGINS, tmp_path, GCPATCH="1")
+    opted = run(LIST_PLUGINS, tmp_path, GCPATCH="1", GCPATCH_LOCAL_PLUGINS="1")
+    named = [line for line in plain.stderr.splitlines() if "faulty" in line]
+    clear = len(named) == 1 and "GCPATCH_LOCAL_PLUGINS=1" in named[0]
+    tally(
+        "plugin loading",
+        "*.dist-info next to the script",
+        plain.returncode == 0,
+        clear,
+        "faulty" in (results(plain) or [[]])[0],
+    )
+    assert "faulty" not in results(plain)[0], plain.stderr
+    assert clear, plain.stderr
+    assert "faulty" in results(opted)[0], opted.stderr
