@@ -34,6 +34,7 @@ _seen: dict[str, int] = {}  # decision identity -> how often this process decide
 _mine: list[tuple[str, str]] = []  # (store key, line) that rank 0 has not published yet
 _pending: list[tuple[str, str]] = []  # (store key, line) another rank has not compared yet
 _PREFIX = "gcpatch/lines/"
+_WAITING_MAX = 256  # lines kept for a process group that may never come
 
 
 def speaker() -> bool:
@@ -58,10 +59,10 @@ def say(
     if quiet:
         log.debug("%s", line)
         return
-    if ranks.rank() == 0:
-        _mine.append((key, line))
-    else:
-        _pending.append((key, line))
+    waiting = _mine if ranks.rank() == 0 else _pending
+    waiting.append((key, line))
+    if len(waiting) > _WAITING_MAX:  # no process group yet, a long job: the oldest are let go
+        del waiting[: len(waiting) - _WAITING_MAX]
     if speaker() and (gist or line) not in _said:
         _said.add(gist or line)
         log.log(level, "%s", line)

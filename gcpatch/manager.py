@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from typing import Any, Mapping
@@ -18,7 +19,7 @@ import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from gcpatch import console, hookspecs, settings
+from gcpatch import console, deadline, hookspecs, settings
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import installed_version
 from gcpatch.schema import (
@@ -66,6 +67,8 @@ class PluginHost:
         self._reported: set[tuple[str, str]] = set()
         self.statuses: list[PluginStatus] = []
         self._failed_votes: set[tuple[str, str, str]] = set()  # vote failures already warned about
+        self._builtin: set[str] = set()  # plugins of gcpatch_plugins: run without a deadline
+        self._slow: set[tuple[str, str]] = set()  # (plugin, hook) already said to be slow
 
     @classmethod
     def from_entry_points(
@@ -88,8 +91,8 @@ class PluginHost:
                 )
                 continue
             try:
-                plugin = ep.load()
-            except Exception as exc:  # noqa: BLE001
+                plugin = plugin_code(ep.load)
+            except Exception as exc:  # noqa: BLE001 (fail open: this plugin only, one line)
                 host._failed(ep.name, f"could not be loaded from {ep.value}", exc)
                 continue
             host.add(plugin, ep.name)
@@ -97,6 +100,8 @@ class PluginHost:
 
     def add(self, plugin: object, name: str) -> PluginStatus:
         """Register one plugin object (module or instance) and check its framework version."""
+        if getattr(plugin, "__name__", "").startswith("gcpatch_plugins."):
+            self._builtin.add(name)
         try:
             self._pm.register(plugin, name=name)
             info = self._call_one(name, "gcpatch_plugin_info")
@@ -104,7 +109,7 @@ class PluginHost:
                 raise TypeError(
                     f"gcpatch_plugin_info returned {type(info).__name__}, not PluginInfo"
                 )
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 (fail open: this plugin only, one line)
             self._unregister(name)
             return self._failed(name, "failed in gcpatch_plugin_info", exc)
         status = PluginStatus(name, "active", info=info)
@@ -135,7 +140,7 @@ class PluginHost:
                     f"gcpatch_patch_points returned {_describe(points)}, not a list of PatchPoint"
                 )
             status.patch_points = list(points)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 (fail open: this plugin only, one line)
             self._unregister(name)
             return self._failed(name, "failed in gcpatch_patch_points", exc)
         self.statuses.append(status)
@@ -171,7 +176,7 @@ class PluginHost:
                     raise TypeError(
                         f"gcpatch_facts returned {_describe(found)}, not a mapping of names"
                     )
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (fail open: this plugin, this decision)
                 if self._strict:
                     raise PluginFailure(status.name, "gcpatch_facts", exc) from exc
                 self._dropped(status.name, "gcpatch_facts", exc)
@@ -200,7 +205,7 @@ class PluginHost:
         for status in self.active():
             try:
                 result = _checked_votes(self._call_one(status.name, hook, facts=facts))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (fail open: this plugin, this decision)
                 if self._strict:
                     raise PluginFailure(status.name, hook, exc) from exc
                 self._dropped(status.name, hook, exc)
@@ -218,6 +223,8 @@ class PluginHost:
         return votes
 
     def _dropped(self, name: str, hook: str, exc: BaseException) -> None:
+        if isinstance(exc, PluginHung):  # said once, as the plugin was switched off
+            return
         key = (name, hook, f"{type(exc).__name__}: {exc}")
         first = key not in self._failed_votes
         self._failed_votes.add(key)
@@ -246,10 +253,55 @@ class PluginHost:
             log.warning("gcpatch: %s; the vote is ignored", text)
 
     def _call_one(self, name: str, hook: str, **kwargs):  # noqa: ANN202
-        for impl in getattr(self._pm.hook, hook).get_hookimpls():
-            if impl.plugin_name == name:
-                return impl.function(**kwargs)
-        return None
+        """One plugin's hook. Whatever it raises (SystemExit from an argparse at its import, say)
+        comes back as an Exception naming it; only a KeyboardInterrupt passes. A built-in plugin
+        runs in the caller's thread; another runs under a deadline (GCPATCH_PLUGIN_TIMEOUT_S): a
+        hook that does not return by then is left behind, and its plugin is off for the process.
+        One that is slower than HOOK_SLOW_S is said once."""
+        impl = next(
+            (i for i in getattr(self._pm.hook, hook).get_hookimpls() if i.plugin_name == name),
+            None,
+        )
+        if impl is None:
+            return None
+        start = time.perf_counter()
+        if name in self._builtin:
+            result = plugin_code(impl.function, **kwargs)
+        else:
+            result = self._with_deadline(name, hook, impl.function, kwargs)
+        spent = time.perf_counter() - start
+        if spent > HOOK_SLOW_S and (name, hook) not in self._slow:
+            self._slow.add((name, hook))
+            log.warning(
+                "gcpatch: plugin %s took %.1f s in %s (more than %g s); every decision waits for"
+                " it (GCPATCH_DISABLE_PLUGINS=%s blocks it)",
+                name,
+                spent,
+                hook,
+                HOOK_SLOW_S,
+                name,
+            )
+        return result
+
+    def _with_deadline(self, name: str, hook: str, function: Any, kwargs: dict) -> Any:
+        limit = settings.read().plugin_timeout_s
+        outcome = deadline.run(function, kwargs, limit)
+        if outcome.timed_out:
+            self._off(
+                name, f"its {hook} did not return within {limit:g} s (GCPATCH_PLUGIN_TIMEOUT_S)"
+            )
+            raise PluginHung(f"{hook} did not return within {limit:g} s; it is left running")
+        if outcome.error is not None:
+            raise _as_exception(outcome.error)
+        return outcome.value
+
+    def _off(self, name: str, why: str) -> None:
+        """A plugin that cannot be waited for: off for the rest of the process, said once."""
+        for status in self.statuses:
+            if status.name == name and status.state == "active":
+                status.state, status.why = "failed", why
+                log.error("gcpatch: plugin %s disabled for this process: %s", name, why)
+        self._unregister(name)
 
     def _unregister(self, name: str) -> None:
         if self._pm.get_plugin(name) is not None:
@@ -266,6 +318,40 @@ class PluginHost:
             ) from exc
         log.error("gcpatch: plugin %s disabled, %s", name, status.why)
         return status
+
+
+# A hook slower than this is said once (it slows every decision it takes part in).
+HOOK_SLOW_S = 1.0
+
+
+class PluginRaised(Exception):
+    """A plugin's code raised something that is not an Exception (SystemExit, a custom
+    BaseException): carried as one, so the plugin fails open like any other."""
+
+
+class PluginHung(Exception):
+    """A plugin's hook did not return within GCPATCH_PLUGIN_TIMEOUT_S."""
+
+
+def plugin_code(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call plugin code; a BaseException other than KeyboardInterrupt comes back as an Exception
+    (a plugin must never end the host's job, however it fails)."""
+    try:
+        return function(*args, **kwargs)
+    except KeyboardInterrupt:
+        raise
+    except Exception:
+        raise
+    except BaseException as exc:  # noqa: BLE001 (SystemExit & co. from a plugin: carried, not lost)
+        raise _as_exception(exc) from exc
+
+
+def _as_exception(exc: BaseException) -> Exception:
+    if isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+    return PluginRaised(f"{type(exc).__name__}: {exc}")
 
 
 class PluginFailure(Exception):

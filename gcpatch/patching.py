@@ -563,18 +563,17 @@ class _Original:
 
 
 def _fail_open(point: PatchPoint, plugin: str, strict: bool):  # noqa: ANN202
-    reported: list[
-        bool
-    ] = []  # one ERROR line per patch point; later failures at DEBUG (a hot path)
+    # one ERROR line per patch point; later failures at DEBUG (a hot path)
+    reported: list[bool] = []
 
     def wrapper(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202 (wrapt's protocol)
         original = _Original(wrapped, user_frame())
         try:
             return point.wrapper(original, instance, args, kwargs)
-        except GcpatchError:
+        except (GcpatchError, KeyboardInterrupt):
             raise
-        except Exception as exc:
-            if original.called:
+        except BaseException as exc:  # noqa: BLE001 (a plugin's SystemExit must not end the job)
+            if original.called:  # the host's own exception: it propagates as it is
                 raise
             if strict:
                 raise GcpatchError(

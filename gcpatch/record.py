@@ -12,7 +12,7 @@ import stat
 import time
 from typing import Any
 
-from gcpatch import console, headline, lifetime
+from gcpatch import console, headline, lifetime, nofollow
 from gcpatch.ranks import rank
 from gcpatch.schema import CallFacts, Decision, Facts, Stage
 
@@ -68,7 +68,7 @@ def decision(
         "decision": outcome.to_dict(),
         "facts": facts.to_dict(),
     }
-    _history.append(entry)
+    entry = _keep(entry, record_dir)
     console.say(
         summary(entry),
         headline.detail(entry),
@@ -80,8 +80,6 @@ def decision(
         log.debug("gcpatch: warning: %s", text)
     for text in headline.warnings(entry):
         console.warn(text)
-    if record_dir:
-        _write(entry, record_dir)
     return entry
 
 
@@ -106,14 +104,12 @@ def call_site(
         "decision": outcome.to_dict(),
         "facts": facts.to_dict(),
     }
-    _history.append(entry)
+    entry = _keep(entry, record_dir)
     console.say(summary(entry), headline.detail(entry), f"call/{site}")
     for text in outcome.warnings + outcome.conflicts:
         log.debug("gcpatch: warning: %s (at %s)", text, site)
     for text in headline.warnings(entry):
         console.warn(text)
-    if record_dir:
-        _write(entry, record_dir)
     return entry
 
 
@@ -147,83 +143,64 @@ def failure(stage: str, text: str, record_dir: str | None) -> None:
         "stage": stage,
         "failed_open": text,
     }
-    _history.append(entry)
-    if record_dir:
-        _write(entry, record_dir)
+    _keep(entry, record_dir)
 
 
 def event(entry: dict[str, Any], record_dir: str | None) -> dict[str, Any]:
     """Record what is not a decision (a verify result, a crash explanation): `entry` carries its
     own `stage` and a ready-made `line` for `gcpatch explain`; it is logged by its owner."""
     entry = {"time": time.time(), "pid": os.getpid(), "rank": rank(), **entry}
+    return _keep(entry, record_dir)
+
+
+# At most this many distinct entries stay in the in-process history (oldest dropped first).
+HISTORY_MAX = 1000
+# The last entry of each identity (stage, model, api, source, site) and record directory: what a
+# repeat is counted on.
+_last_of: dict[tuple, dict[str, Any]] = {}
+_VOLATILE = ("time", "pid", "repeats")
+
+
+def _keep(entry: dict[str, Any], record_dir: str | None) -> dict[str, Any]:
+    """Append `entry` to the history and the record, or count it where it repeats the last entry
+    of its identity (a loop that disables and enables every step, as RL trainers do): a repeated
+    decision is a count, not a new entry. The record gets a `repeat` line at the 1st, 2nd, 4th,
+    8th ... repeat, so it grows with the logarithm of the repeats, and the history holds at most
+    HISTORY_MAX entries. Returns the entry that stands for this one."""
+    identity = tuple(str(entry.get(k, "")) for k in ("stage", "model", "api", "source", "site"))
+    # a record directory of its own (the variable is read at each decision) gets the entry itself
+    last = _last_of.get((*identity, record_dir))
+    if last is not None and _content(last) == _content(entry):
+        last["repeats"] = count = last.get("repeats", 0) + 1
+        if record_dir and count & (count - 1) == 0:
+            _write(
+                {
+                    "time": entry.get("time"),
+                    "pid": entry.get("pid"),
+                    "rank": entry.get("rank"),
+                    "stage": "repeat",
+                    "of": dict(zip(("stage", "model", "api", "source", "site"), identity)),
+                    "repeats": count,
+                },
+                record_dir,
+            )
+        return last
+    _last_of[(*identity, record_dir)] = entry
     _history.append(entry)
+    if len(_history) > HISTORY_MAX:
+        del _history[: len(_history) - HISTORY_MAX]
     if record_dir:
         _write(entry, record_dir)
     return entry
 
 
+def _content(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k not in _VOLATILE}
+
+
 def summary(entry: dict[str, Any]) -> str:
     """The short line a decision gets (gcpatch/headline.py); `headline.detail` has the rest."""
     return headline.line(entry)
-
-
-def read(path: str) -> list[dict[str, Any]]:
-    """Every readable record under a GCPATCH_RECORD directory (or in one JSONL file), rank by
-    rank. Damaged lines are skipped; `scan` also says which."""
-    return scan(path).entries
-
-
-class Scan:
-    """What `scan` found: the records, and every line or file it could not read (a rank
-    killed mid-write leaves a truncated line; `gcpatch explain` reports them, never crashes)."""
-
-    def __init__(self) -> None:
-        self.entries: list[dict[str, Any]] = []
-        self.damaged: list[str] = []  # "file:line: why"
-
-
-def scan(path: str) -> Scan:
-    found = Scan()
-    try:
-        files = (
-            [path]
-            if not os.path.isdir(path)
-            else [
-                os.path.join(path, name)
-                for name in sorted(os.listdir(path))
-                if name.endswith(".jsonl")
-            ]
-        )
-    except OSError as exc:
-        found.damaged.append(f"{path}: cannot list ({type(exc).__name__}: {exc})")
-        return found
-    for name in files:
-        try:
-            with open(name, "rb") as handle:
-                lines = handle.read().split(b"\n")
-        except OSError as exc:
-            found.damaged.append(f"{name}: cannot read ({type(exc).__name__}: {exc})")
-            continue
-        for number, raw in enumerate(lines, 1):
-            if not raw.strip():
-                continue
-            try:
-                entry = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as exc:
-                found.damaged.append(f"{name}:{number}: not a JSON record ({type(exc).__name__})")
-                continue
-            if not isinstance(entry, dict):
-                found.damaged.append(
-                    f"{name}:{number}: a JSON {type(entry).__name__}, not a record"
-                )
-                continue
-            found.entries.append(entry)
-    found.entries.sort(key=lambda e: (_number(e.get("rank")), _number(e.get("time"))))
-    return found
-
-
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 # Paths whose write already failed: reported once, then skipped quietly (the job goes on).
@@ -247,14 +224,12 @@ def _write(entry: dict[str, Any], record_dir: str) -> bool:
     path = os.path.join(record_dir, f"gcpatch-rank{entry.get('rank', 0)}.jsonl")
     try:
         line = (json.dumps(entry, default=repr) + "\n").encode("utf-8")
-        foreign = _foreign_link(record_dir)
-        if foreign:
-            raise OSError(
-                f"{foreign} is a symbolic link owned by another user, which gcpatch never follows"
-            )
-        if not os.path.isdir(record_dir):
-            os.makedirs(record_dir, mode=0o700, exist_ok=True)  # ours: only this user reads it
-        fd = os.open(path, _OPEN_FLAGS, 0o600)
+        if nofollow.supported():  # every component walked afresh: no link another user owns
+            fd = nofollow.open_under(record_dir, os.path.basename(path), _OPEN_FLAGS, 0o600)
+        else:
+            if not os.path.isdir(record_dir):
+                os.makedirs(record_dir, mode=0o700, exist_ok=True)  # ours: only this user reads it
+            fd = os.open(path, _OPEN_FLAGS, 0o600)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -283,44 +258,13 @@ def _write(entry: dict[str, Any], record_dir: str) -> bool:
     return True
 
 
-def _foreign_link(record_dir: str) -> str:
-    """The first component of `record_dir` that is a symlink owned by neither this user nor root,
-    or ''. Another user's link could send this user's records wherever they like; root's (/var/run,
-    macOS's /tmp) are the system's own. Checked once per directory and process."""
-    if record_dir in _checked_dirs:
-        return _checked_dirs[record_dir]
-    found = ""
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    current = os.path.abspath(record_dir)
-    parts = []
-    while True:
-        head, tail = os.path.split(current)
-        if not tail:
-            break
-        parts.append(current)
-        current = head
-    for part in reversed(parts):  # from the root down
-        try:
-            info = os.lstat(part)
-        except OSError:
-            break  # not there yet: created below, by this user
-        if uid is not None and stat.S_ISLNK(info.st_mode) and info.st_uid not in (uid, 0):
-            found = part
-            break
-    _checked_dirs[record_dir] = found
-    return found
-
-
-_checked_dirs: dict[str, str] = {}
-
-
 def _errno_of(exc: BaseException) -> int | None:
     return getattr(exc, "errno", None)
 
 
 @lifetime.activation
 def reset() -> None:
-    """Forget the in-process history and what was found about record paths."""
+    """Forget the in-process history and which record paths could not be written."""
     _history.clear()
+    _last_of.clear()
     _unwritable.clear()
-    _checked_dirs.clear()

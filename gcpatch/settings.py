@@ -29,7 +29,9 @@ VARIABLES = (
     "GCPATCH_VERIFY",
     "GCPATCH_MEMORY_BUDGET",
     "GCPATCH_LOCAL_PLUGINS",
+    "GCPATCH_PLUGIN_TIMEOUT_S",
 )
+PLUGIN_TIMEOUT_S = 10.0
 _reported: set[str] = set()  # each bad value is said once per activation
 
 
@@ -64,7 +66,15 @@ class Settings:
     """The parsed variables. A plain class: this module is on the start-up path, where
     importing dataclasses (and with it inspect) would cost more than gcpatch itself."""
 
-    __slots__ = ("mode", "record_dir", "blocked_plugins", "log_level", "verify", "memory_budget")
+    __slots__ = (
+        "mode",
+        "record_dir",
+        "blocked_plugins",
+        "log_level",
+        "verify",
+        "memory_budget",
+        "plugin_timeout_s",
+    )
 
     def __init__(
         self,
@@ -74,6 +84,7 @@ class Settings:
         log_level: str = "info",
         verify: bool = False,
         memory_budget: object = None,
+        plugin_timeout_s: float = 10.0,
     ) -> None:
         self.mode = mode
         self.record_dir = record_dir
@@ -83,6 +94,8 @@ class Settings:
         self.verify = verify
         # GCPATCH_MEMORY_BUDGET, a gcpatch.budget.Budget (gcpatch/step/planner.py)
         self.memory_budget = memory_budget
+        # GCPATCH_PLUGIN_TIMEOUT_S: how long a decision waits for a third-party plugin's hook
+        self.plugin_timeout_s = plugin_timeout_s
 
     @property
     def strict(self) -> bool:
@@ -100,6 +113,7 @@ def read() -> Settings:
         log_level=_guarded("GCPATCH_LOG", _log_level, "info", "using info"),
         verify=_guarded("GCPATCH_VERIFY", _verify, False, "verify stays off"),
         memory_budget=_guarded("GCPATCH_MEMORY_BUDGET", _memory_budget, None, _NO_BUDGET),
+        plugin_timeout_s=plugin_timeout(),
     )
 
 
@@ -203,6 +217,29 @@ def local_plugins() -> bool:
 
     return _guarded(
         "GCPATCH_LOCAL_PLUGINS", parse, False, "plugins next to the script are not loaded"
+    )
+
+
+def plugin_timeout() -> float:
+    """GCPATCH_PLUGIN_TIMEOUT_S: how long a decision waits for a third-party plugin's hook."""
+
+    def parse(raw: str) -> float:
+        try:  # ASCII only: float() would also read other scripts' digits
+            value = float(raw.strip()) if raw.strip().isascii() else float("nan")
+        except ValueError:
+            value = float("nan")
+        if not (0 < value < 86400):  # NaN, infinities, negatives, a day or more: not a timeout
+            _bad(
+                "GCPATCH_PLUGIN_TIMEOUT_S",
+                raw,
+                "not a number of seconds in (0, 86400)",
+                f"using {PLUGIN_TIMEOUT_S:g}",
+            )
+            return PLUGIN_TIMEOUT_S
+        return value
+
+    return _guarded(
+        "GCPATCH_PLUGIN_TIMEOUT_S", parse, PLUGIN_TIMEOUT_S, f"using {PLUGIN_TIMEOUT_S:g}"
     )
 
 

@@ -115,3 +115,65 @@ def test_a_dist_info_next_to_the_script_is_not_loaded_unless_asked(tmp_path):
     assert "faulty" not in results(plain)[0], plain.stderr
     assert clear, plain.stderr
     assert "faulty" in results(opted)[0], opted.stderr
+
+
+# Values a hostile environment holds (the overflow that once switched gcpatch off whole, NaN,
+# digits of another script, empty and blank): each variable x each value, its own process.
+HOSTILE = ["1e999", "1e300TB", "nan", "\u0661\u0662", "", " \t"]
+# What still applies with the variable's feature dropped: the run's correctness rule (R2/R1).
+FEATURES = [
+    "GCPATCH_MODE",
+    "GCPATCH_RECORD",
+    "GCPATCH_DISABLE_PLUGINS",
+    "GCPATCH_LOG",
+    "GCPATCH_VERIFY",
+    "GCPATCH_MEMORY_BUDGET",
+    "GCPATCH_LOCAL_PLUGINS",
+    "GCPATCH_PLUGIN_TIMEOUT_S",
+]
+
+
+def _hostile_run(tmp_path, name, value):
+    where = tmp_path / f"{name}-{HOSTILE.index(value)}"
+    where.mkdir()
+    proc = run(TRAIN, where, GCPATCH="1", **{name: value})
+    said = [line for line in proc.stderr.splitlines() if line.startswith(f"gcpatch: {name}=")]
+    return proc, said
+
+
+@requires_transformers
+@pytest.mark.parametrize("name", FEATURES)
+def test_a_hostile_value_drops_its_own_feature_with_one_line_and_the_rules_still_apply(
+    tmp_path, name
+):
+    """Before, GCPATCH_MEMORY_BUDGET=1e999MB raised an OverflowError that left gcpatch off whole
+    ("not activated"), every correctness rule with it; GCPATCH_VERIFY=2 said nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda v: (v, *_hostile_run(tmp_path, name, v)), HOSTILE))
+    problems = []
+    for value, proc, said in runs:
+        got = results(proc)
+        survived = proc.returncode == 0 and len(got) == 1 and "Traceback" not in proc.stderr
+        lost = not survived or got[0]["missing_grads"] != 0  # the correctness rule still applied
+        # a value gcpatch can use says nothing (a directory named "nan", a plugin "nan" blocked:
+        # that one is named by the block list's own line); any other is said once, by name
+        usable = name in ("GCPATCH_RECORD", "GCPATCH_DISABLE_PLUGINS") and value.strip()
+        clear = len(said) == (0 if usable else 1) and "not activated" not in proc.stderr
+        tally("hostile values", f"{name}={value!r}", survived, clear, lost)
+        if not (survived and clear and not lost):
+            problems.append((value, said, proc.stderr[-600:]))
+    assert problems == []
+
+
+def test_a_hostile_gcpatch_switch_leaves_gcpatch_off_with_one_line(tmp_path):
+    for value in HOSTILE:
+        proc = run(
+            "import gcpatch; print('RESULT {\"active\": %s}' % str(gcpatch.is_active()).lower())",
+            tmp_path,
+            GCPATCH=value,
+        )
+        said = [line for line in proc.stderr.splitlines() if line.startswith("gcpatch: GCPATCH=")]
+        assert proc.returncode == 0 and results(proc) == [{"active": False}], (value, proc.stderr)
+        assert len(said) == 1 and "stays off" in said[0], (value, said)

@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from testkit.faultkit import FAULTS, run, tally
-from testkit.harness import parse_results
+from testkit.harness import child_env, parse_results
 from testkit.subproc import requires_transformers
 
-from gcpatch import cli, record
+from gcpatch import cli, explain, record
 
 VICTIM_TEXT = "the user's own file\n"
 
@@ -93,7 +97,7 @@ def _hazards(base):
             r["lines"] == []
             and stat.S_IMODE(fresh.stat().st_mode) == 0o700
             and stat.S_IMODE((fresh / "gcpatch-rank0.jsonl").stat().st_mode) == 0o600,
-            len(record.read(str(fresh))) != 1,
+            len(explain.read(str(fresh))) != 1,
         ),
     )
 
@@ -101,7 +105,7 @@ def _hazards(base):
     add(
         "non-ASCII directory",
         unicode,
-        lambda r: (r["lines"] == [], len(record.read(str(unicode))) != 1),
+        lambda r: (r["lines"] == [], len(explain.read(str(unicode))) != 1),
     )
 
     truncated = base / "truncated"
@@ -113,8 +117,8 @@ def _hazards(base):
         "previous line truncated by a killed rank",
         truncated,
         lambda r: (
-            r["lines"] == [] and len(record.scan(str(truncated)).damaged) == 1,
-            len(record.read(str(truncated))) != 2,
+            r["lines"] == [] and len(explain.scan(str(truncated)).damaged) == 1,
+            len(explain.read(str(truncated))) != 2,
         ),
     )
 
@@ -233,7 +237,7 @@ def test_explain_skips_and_counts_damaged_lines_and_names_missing_fields(tmp_pat
 
 def test_read_survives_unreadable_entries(tmp_path):
     (tmp_path / "gcpatch-rank0.jsonl").write_text('{"rank": "zero", "time": null}\n{"rank": 1}\n')
-    assert [e["rank"] for e in record.read(str(tmp_path))] == ["zero", 1]
+    assert [e["rank"] for e in explain.read(str(tmp_path))] == ["zero", 1]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod")
@@ -251,3 +255,162 @@ def test_explain_reads_checkpoint_call_records(tmp_path, capsys):
     assert cli.main(["explain", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "checkpoint call at train.py:42" in out and "incomplete" not in out
+
+
+# The record guard against another user's links (ATTACKER_UID: numeric, nothing is added to the
+# machine's user database). gcpatch runs as a second, unprivileged user (VICTIM_UID) where that
+# user can reach this venv's interpreter, else as root, which follows links as freely. Planting
+# another user's link needs root: elsewhere these are skipped.
+VICTIM_UID, ATTACKER_UID = 4243, 4242
+GUARDED = """
+import json, os, sys, time, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+def enable():
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)).train()
+    m.gradient_checkpointing_enable()
+    ids = torch.randint(0, 64, (2, 8))
+    m(input_ids=ids, labels=ids).loss.backward()
+enable()
+if os.environ.get("SWAP_AT"):  # let the test swap the record directory between two decisions
+    open(os.environ["SWAP_AT"] + ".ready", "w").close()
+    while not os.path.exists(os.environ["SWAP_AT"] + ".swapped"):
+        time.sleep(0.05)
+    enable()
+print("RESULT " + json.dumps({"uid": os.getuid()}))
+"""
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether a user who is neither the owner nor in its group can run `path`."""
+    parts = Path(os.path.realpath(path)).parents
+    return os.stat(path).st_mode & 0o001 and all(os.stat(p).st_mode & 0o001 for p in parts)
+
+
+def _as_victim(base, **env):
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's symbolic link needs root")
+    home = base / "home"
+    home.mkdir()
+    unprivileged = _reachable_by_others(sys.executable) and _reachable_by_others(os.getcwd())
+    who = {"user": VICTIM_UID, "group": VICTIM_UID, "extra_groups": []} if unprivileged else {}
+    if unprivileged:
+        os.chown(home, VICTIM_UID, VICTIM_UID)
+    return subprocess.Popen(
+        [sys.executable, "-c", GUARDED],
+        cwd=home,
+        env=child_env(quiet=True, GCPATCH="1", HOME=str(home), **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **who,
+    )
+
+
+def _shared(path):
+    path.mkdir(parents=True)
+    path.chmod(0o777)
+    return path
+
+
+def test_another_users_link_is_not_followed_through_dotdot(tmp_path):
+    """`shared/blink/../arec`, blink another user's link into their tree: the text drops `blink/..`,
+    the kernel follows the link. Before, the record was created inside the other user's tree."""
+    tmp_path.chmod(0o755)
+    shared, theirs = _shared(tmp_path / "shared"), _shared(tmp_path / "theirs")
+    (theirs / "inner").mkdir()
+    blink = shared / "blink"
+    blink.symlink_to(theirs / "inner")
+    os.lchown(blink, ATTACKER_UID, ATTACKER_UID)
+    proc = _as_victim(tmp_path, GCPATCH_RECORD=f"{shared}/blink/../arec")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and json.loads(out.split("RESULT ", 1)[1])["uid"] in (VICTIM_UID, 0)
+    assert sorted(p.name for p in theirs.iterdir()) == ["inner"]  # nothing written in their tree
+    said = [line for line in err.splitlines() if "cannot write the record" in line]
+    assert len(said) == 1 and f"{blink} is a symbolic link owned by another user" in said[0], err
+
+
+def test_a_directory_swapped_for_a_link_between_two_decisions_is_not_followed(tmp_path):
+    tmp_path.chmod(0o755)
+    shared, theirs = _shared(tmp_path / "shared"), _shared(tmp_path / "theirs")
+    record = shared / "rec"
+    swap = tmp_path / "swap"
+    proc = _as_victim(tmp_path, GCPATCH_RECORD=str(record), SWAP_AT=str(swap))
+    deadline = time.monotonic() + 240
+    while not Path(f"{swap}.ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    assert [p.name for p in record.iterdir()] == ["gcpatch-rank0.jsonl"]  # the first decision
+    record.rename(shared / "rec.before")
+    record.symlink_to(theirs)  # another user's link where the directory was
+    os.lchown(record, ATTACKER_UID, ATTACKER_UID)
+    Path(f"{swap}.swapped").touch()
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert list(theirs.iterdir()) == []  # the second decision was not written through the link
+    said = [line for line in err.splitlines() if "cannot write the record" in line]
+    assert len(said) == 1 and "owned by another user" in said[0], err
+
+
+def _explain_proc(path, tmp_path, **env):
+    """`gcpatch explain path` in a fresh interpreter whose stdout is UTF-8."""
+    from testkit.harness import run_python
+
+    return run_python(
+        f"from gcpatch.cli import main; raise SystemExit(main(['explain', {str(path)!r}]))",
+        tmp_path,
+        PYTHONIOENCODING="utf-8",
+        **env,
+    )
+
+
+def _decision(**fields):
+    entry = _entry()
+    entry.update(fields)
+    return json.dumps(entry)
+
+
+@pytest.mark.parametrize(
+    "name, lines",
+    [
+        # a call site whose path was not valid UTF-8: JSON keeps it as a lone surrogate
+        (
+            "non-UTF-8 path",
+            [json.dumps({**json.loads(_decision()), "stage": "call", "site": "/d/\udcff.py:3"})],
+        ),
+        ("details not a list", ['{"stage": "verify", "line": "gcpatch: rank 0 x", "details": 5}']),
+        ("a time no clock shows", [_decision(pid=1, time=1e300), _decision(pid=2, time=2.0)]),
+        ("nested past the parser's depth", ["[" * 100000 + "]" * 100000, _decision()]),
+    ],
+)
+def test_explain_reads_hostile_records_without_a_traceback(tmp_path, name, lines):
+    record_dir = tmp_path / "rec"
+    record_dir.mkdir()
+    (record_dir / "gcpatch-rank0.jsonl").write_text("\n".join(lines) + "\n", errors="surrogatepass")
+    proc = _explain_proc(record_dir, tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, (name, proc.stderr)
+    assert proc.stdout.strip(), (name, proc.stdout)
+    tally("explain hostile records", name, True, True, False)
+
+
+def test_explain_shows_the_damage_of_a_record_whose_only_line_is_truncated(tmp_path):
+    record_dir = tmp_path / "rec"
+    record_dir.mkdir()
+    (record_dir / "gcpatch-rank0.jsonl").write_text(_decision()[:40])
+    proc = _explain_proc(record_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "not a gcpatch record" not in proc.stderr
+    assert "skipped every line" in proc.stderr and "gcpatch-rank0.jsonl:1" in proc.stderr
+
+
+def test_explain_groups_concurrent_runs_by_run(tmp_path):
+    """Four runs writing into one directory at once interleave their lines: one header a run."""
+    record_dir = tmp_path / "rec"
+    record_dir.mkdir()
+    lines = [_decision(pid=100 + i % 4, time=10.0 + i) for i in range(40)]
+    (record_dir / "gcpatch-rank0.jsonl").write_text("\n".join(lines) + "\n")
+    proc = _explain_proc(record_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    headers = [line for line in proc.stdout.splitlines() if line.startswith("-- run: pid")]
+    assert len(headers) == 4, proc.stdout

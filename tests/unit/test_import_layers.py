@@ -31,10 +31,21 @@ LAYERS = (
     ),
     ("facts", {"ranks", "facts", "call_facts", "context"}),
     ("rules", {"resolve"}),
-    ("effects", {"apply", "call_rewrites", "console", "record", "crash_notes", "reentrant_grads"}),
-    ("plugin runtime", {"patching", "manager", "engine"}),
+    (
+        "effects",
+        {
+            "apply",
+            "call_rewrites",
+            "console",
+            "nofollow",
+            "record",
+            "crash_notes",
+            "reentrant_grads",
+        },
+    ),
+    ("plugin runtime", {"patching", "deadline", "manager", "engine"}),
     ("orchestration", {"checkpoint_call", "verify", "pipeline", "agreement"} | STEP),
-    ("switch and surfaces", {"activation", "__init__", "plugin", "cli", "__main__"}),
+    ("switch and surfaces", {"activation", "__init__", "plugin", "cli", "explain", "__main__"}),
 )
 
 

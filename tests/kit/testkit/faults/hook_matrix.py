@@ -22,7 +22,9 @@ CASES = [
     for hook in ("info", "patch_points", "vote")
     for kind in ("raise", "garbage", "wrong_type")
 ]
-CASES += [("wrapper", "raise"), ("", "")]  # the last: no fault, the control
+# a plugin must never end the job: SystemExit from its hooks and wrappers too
+CASES += [("info", "exit"), ("vote", "exit"), ("wrapper", "raise"), ("wrapper", "exit")]
+CASES += [("", "")]  # the last: no fault, the control
 
 
 class Lines(logging.Handler):

@@ -2,16 +2,22 @@
 
 Installed by `tests/kit/testkit/faultkit.py` as a real distribution (a *.dist-info with a `gcpatch.plugins`
 entry point) on PYTHONPATH. The environment picks the fault:
-  FAULT_HOOK  info | patch_points | vote | vote_ddp (only the DDP re-decision) | wrapper | apply
-  FAULT_KIND  raise | garbage (not even a list) | wrong_type (a list of the wrong things)
+  FAULT_HOOK  info | patch_points | vote | vote_ddp (only the DDP re-decision) | wrapper | apply |
+              import (raises as the module is imported, as an argparse at import does)
+  FAULT_KIND  raise | garbage (not even a list) | wrong_type (a list of the wrong things) |
+              exit (SystemExit(7)) | sleep (FAULT_SLEEP_S seconds, then a good answer)
   FAULT_RANK  only on this RANK (default: every process)
 When no fault applies it is a well-behaved plugin with one patch point (faulty_target.work) and
 no votes.
 """
 
 import os
+import time
 
 from gcpatch.plugin import REQUIRED, USE_REENTRANT, PatchPoint, PluginInfo, Vote, hookimpl
+
+if os.environ.get("FAULT_HOOK") == "import":
+    raise SystemExit(7)  # what an argparse that parses sys.argv at import does
 
 
 def _env():
@@ -35,6 +41,11 @@ def _fault(hook, good):
         return good
     if kind == "raise":
         raise RuntimeError(f"injected fault in {hook}")
+    if kind == "exit":
+        raise SystemExit(7)
+    if kind == "sleep":
+        time.sleep(float(os.environ.get("FAULT_SLEEP_S", "30")))
+        return good
     return (GARBAGE if kind == "garbage" else WRONG_TYPE)[hook]
 
 
@@ -60,6 +71,8 @@ def gcpatch_vote(facts):
 
 def _wrapper(wrapped, instance, args, kwargs):
     if _env()[0] == "wrapper":
+        if _env()[1] == "exit":
+            raise SystemExit(7)
         raise RuntimeError("injected fault in a patch-point wrapper")
     return wrapped(*args, **kwargs)
 
