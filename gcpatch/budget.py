@@ -1,9 +1,12 @@
 """GCPATCH_MEMORY_BUDGET: what a budget value means. The plan that meets it is made at the first
 training step (gcpatch/step/): its arithmetic in gcpatch/step/solver.py.
 
-A budget is the activation memory one training step may hold after its forward: a fraction of what
-that step holds without checkpointing (`0.5`), or a size (`6GiB`, `800MB`). Pure parsing: imported
-only when the variable is set (settings.py is on the start-up path).
+A budget is the activation memory each training step may hold after its forward: a fraction of what
+that step itself holds without checkpointing (`0.5`), a size (`6GiB`, `800MB`), or `auto`: what the
+accelerator has left at each step (its memory, or a capacity stated as `auto:24GiB`, minus what the
+job already holds there, minus a margin of AUTO_MARGIN of the capacity for the backward's own
+working memory). Pure parsing: imported only when the variable is set (settings.py is on the
+start-up path).
 """
 
 from __future__ import annotations
@@ -30,27 +33,42 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$
 _LARGEST = 2**60
 
 
+AUTO_MARGIN = 0.1  # of the device's capacity, kept free under `auto` for the backward's work
+
+
 @dataclass(frozen=True)
 class Budget:
-    """A parsed GCPATCH_MEMORY_BUDGET: exactly one of `fraction` (of the plain step's bytes) and
-    `nbytes` is set."""
+    """A parsed GCPATCH_MEMORY_BUDGET: `fraction` (of each step's own plain bytes), `nbytes`, or
+    `auto` (with the device's `capacity` when stated)."""
 
     text: str
     fraction: float | None = None
     nbytes: int | None = None
+    auto: bool = False
+    capacity: int | None = None
 
-    def limit(self, plain_bytes: float) -> float:
-        return self.fraction * plain_bytes if self.fraction is not None else float(self.nbytes or 0)
+    def limit(self, plain_bytes: float, available: float | None = None) -> float:
+        """The bytes one step may hold: `plain_bytes` is that step's without checkpointing;
+        `available` what `auto` found free for activations at that step."""
+        if self.fraction is not None:
+            return self.fraction * plain_bytes
+        if self.auto:
+            return max(0.0, available or 0.0)
+        return float(self.nbytes or 0)
 
     def describe(self) -> str:
         if self.fraction is not None:
             return f"{self.fraction:g} of the activations"
+        if self.auto:
+            return "what the device has left"
         return f"{size(self.nbytes or 0)} of activations"
 
 
 def parse(raw: str) -> Budget | str:
     """A Budget, or why `raw` is not one, as a clause settings.py puts in its one line."""
     text = raw.strip()
+    if text.lower() == "auto" or text.lower().startswith("auto:"):
+        return _auto(text)
     match = _SIZE.match(text)
     if not match:
         return "neither a fraction like 0.5 nor a size like 6GiB or 800MB"
@@ -72,6 +90,18 @@ def parse(raw: str) -> Budget | str:
     if nbytes > _LARGEST:
         return f"larger than any device's memory ({size(_LARGEST)})"
     return Budget(text, nbytes=int(nbytes))
+
+
+def _auto(text: str) -> Budget | str:
+    """`auto`, or `auto:<size>` stating the device's capacity (a shared GPU, a CPU test)."""
+    _, _, stated = text.partition(":")
+    if not stated.strip():
+        return Budget(text, auto=True) if ":" not in text else "auto: names no capacity"
+    capacity = parse(stated)
+    if isinstance(capacity, str) or capacity.nbytes is None:
+        why = capacity if isinstance(capacity, str) else "a fraction is not a capacity"
+        return f"its capacity {stated.strip()!r} is not a size ({why})"
+    return Budget(text, auto=True, capacity=capacity.nbytes)
 
 
 def size(n: float) -> str:

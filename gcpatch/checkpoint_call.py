@@ -138,8 +138,8 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
             key = call_facts.code_key(function)
         untracked = _untracked.get(key, TRACKED) if _untracked and key is not None else TRACKED
         outcome = _outcome_of(function, args, kwargs, untracked)
-    except GcpatchError:
-        raise
+    except GcpatchError as exc:  # strict mode: its traceback starts at this, the user's call
+        raise exc.with_traceback(None) from exc.__cause__
     except Exception as exc:  # noqa: BLE001 (fail open: the call runs as made, one line)
         key, outcome = None, _failed_open(exc)
     if outcome.inline:

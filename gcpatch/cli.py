@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from typing import Sequence
@@ -28,7 +27,9 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--version", action="version", version=f"gcpatch {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser(
-        "doctor", help="versions, plugins loaded or skipped and why, live patch points, mode"
+        "doctor",
+        help="whether a job from this environment runs gcpatch and why; the start-up hook;"
+        " versions; plugins loaded or skipped and why; live patch points",
     )
     doctor.add_argument(
         "--no-import",
@@ -56,65 +57,14 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        return _doctor(not args.no_import)
+        from gcpatch import doctor
+
+        return doctor.main(not args.no_import)
     if args.command == "explain":
         from gcpatch import explain
 
         return explain.main(args.path, args.verbose)
     return _rules_markdown() if args.markdown else _rules()
-
-
-def _doctor(import_frameworks: bool) -> int:
-    from gcpatch import activation, engine, facts, settings
-
-    cfg = settings.read()
-    print(f"gcpatch {_version()}  python {sys.version.split()[0]}")
-    print(
-        f"mode: {cfg.mode}   GCPATCH={activation.ENV_AT_START or '(unset)'}   record:"
-        f" {cfg.record_dir or '(off)'}   blocked:"
-        f" {', '.join(sorted(cfg.blocked_plugins)) or '(none)'}"
-    )
-    print(
-        "installed: "
-        + ", ".join(f"{k} {facts.installed_version(k) or '-'}" for k in facts.VERSIONED)
-    )
-    host = engine.start()
-    if import_frameworks:
-        for status in host.active():
-            for point in status.patch_points:
-                try:
-                    importlib.import_module(point.module)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"  cannot import {point.module}: {type(exc).__name__}: {exc}")
-    patcher = engine.patcher()
-    for text in engine.reinstate():
-        print(f"rebound by another tool: {text}")
-    print("plugins:")
-    for status in host.statuses:
-        info = status.info
-        where = (
-            f" {info.framework} {status.framework_version or '-'} (supports {info.versions})"
-            if info
-            else ""
-        )
-        if info and info.proven:
-            verdict = (
-                ("UNTESTED release" if status.untested else "in range")
-                if status.state == "active"
-                else ""
-            )
-            where += f" proven {info.proven}" + (f": {verdict}" if verdict else "")
-        print(f"  {status.name}: {status.state}{where}{' - ' + status.why if status.why else ''}")
-        for point in status.patch_points:
-            key = (point.module, point.target)
-            if patcher is not None and key in patcher.installed:
-                state = "live"
-            elif patcher is not None and key in patcher.not_applicable:
-                state = "not in this version"
-            else:
-                state = "waiting for import" if point.module not in sys.modules else "not installed"
-            print(f"    {point.module}.{point.target}: {state}  ({point.why})")
-    return 0
 
 
 def _rules() -> int:

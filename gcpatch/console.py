@@ -26,7 +26,7 @@ import logging
 import sys
 from typing import Any
 
-from gcpatch import lifetime, ranks
+from gcpatch import headline, lifetime, ranks
 
 log = logging.getLogger("gcpatch")
 _said: set[str] = set()  # lines this process already logged at INFO
@@ -160,12 +160,23 @@ def _on_console(stream: Any) -> bool:
         return False
 
 
+class WholeLines(logging.Formatter):
+    """The message, every line of it at most one terminal row (headline.LIMIT), wrapped at words:
+    what the source did not wrap itself (a long exception text in an error line) is not cut."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if all(len(line) <= headline.LIMIT for line in text.split("\n")):
+            return text
+        return "\n".join(headline.wrap(line) for line in text.split("\n"))
+
+
 class ConsoleHandler(logging.StreamHandler):
     """gcpatch's own stderr handler: prints a line unless the host's handlers show it already."""
 
     def __init__(self) -> None:
         super().__init__()  # stderr, looked up at each emit: pytest and launchers swap it
-        self.setFormatter(logging.Formatter("%(message)s"))
+        self.setFormatter(WholeLines("%(message)s"))
 
     @property
     def stream(self) -> Any:  # type: ignore[override]

@@ -62,6 +62,9 @@ class ModelContext:
     # votes from what was measured on this model's real step (verify in fix mode): they take part in
     # every later decision for it, as evidence outranks what the enable call could infer
     evidence: list[Any] = field(default_factory=list)
+    # the how-manieth model of its class gcpatch met: the record and `gcpatch explain` tell two
+    # models of one class apart ("GPT2LMHeadModel #2"); a repeat is counted per model
+    instance: int = 1
 
     @property
     def enabled(self) -> bool:
@@ -70,19 +73,36 @@ class ModelContext:
 
 
 _models: weakref.WeakKeyDictionary[Any, ModelContext] = weakref.WeakKeyDictionary()
+_instances: dict[str, int] = {}  # class name -> models of that class met so far
 
 
 @lifetime.activation
 def reset() -> None:
     """Forget every model's asks, replays and decisions."""
     _models.clear()
+    _instances.clear()
 
 
 def of(model: Any) -> ModelContext:
     context = _models.get(model)
     if context is None:
-        context = _models[model] = ModelContext()
+        cls = type(model).__name__
+        _instances[cls] = _instances.get(cls, 0) + 1
+        context = _models[model] = ModelContext(instance=_instances[cls])
     return context
+
+
+def instance(model: Any) -> int:
+    """The model's number among the models of its class gcpatch met (1: the first, and a model
+    gcpatch never decided for)."""
+    context = _models.get(model)
+    return context.instance if context is not None else 1
+
+
+def name(model: Any) -> str:
+    """The model's class, numbered from the second model of that class on."""
+    number = instance(model)
+    return type(model).__name__ + (f" #{number}" if number > 1 else "")
 
 
 def known(model: Any) -> ModelContext | None:

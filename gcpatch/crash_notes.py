@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from gcpatch import lifetime, record, settings
+from gcpatch import headline, lifetime, record, settings
 from gcpatch.ranks import rank
 from gcpatch.schema import Stage
 
@@ -189,8 +190,14 @@ def explain(exc: BaseException) -> str | None:
             *_exact_instead(family, exc),
             f"fix: {family.fix}",
         ]
-        note = f"gcpatch [{family.id}]: {family.title}\n" + "\n".join(f"  {line}" for line in lines)
-        message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        note = f"gcpatch [{family.id}]: {family.title}\n" + "\n".join(
+            headline.wrap(f"  {line}") for line in lines
+        )
+        message = (
+            headline.shorten(str(exc).strip().splitlines()[0], 200, " ...")
+            if str(exc).strip()
+            else ""
+        )
         line = (
             f"gcpatch: rank {rank()} crash explained [{family.id}]: {type(exc).__name__}: {message}"
         )
@@ -198,9 +205,9 @@ def explain(exc: BaseException) -> str | None:
             # The note is what the user sees if the exception propagates; a program that expects
             # and catches it (torch's own tests catch CheckpointError) sees no ERROR line.
             exc.add_note(note)
-            log.debug("%s (gcpatch's note is on the exception)", line)
+            log.debug("%s (gcpatch's note is on the exception)", headline.wrap(line))
         else:  # Python < 3.11 has no exception notes: the log line is the only carrier
-            log.warning("%s\n%s", line, note)
+            log.warning("%s\n%s", headline.wrap(line), note)
         record.event(
             {
                 "stage": "crash",
@@ -247,30 +254,34 @@ def _exact_instead(family: Family, exc: BaseException) -> list[str]:
 
 
 def decisions() -> list[str]:
-    """What gcpatch decided in this process: the last decision per model, and verify's findings."""
+    """What gcpatch decided in this process: the last decision per model and per checkpoint call
+    site (by file name and line), and verify's findings."""
     last: dict[str, dict[str, Any]] = {}
     verified: list[str] = []
     for entry in record.history():
         if entry.get("stage") in (Stage.ENABLE, Stage.FIRST_FORWARD, Stage.CONFIG):
-            last[entry.get("model", "?")] = entry
-        elif entry.get("stage") == "call":  # a checkpoint call site's own decision (CK1-CK5)
-            last[f"checkpoint call at {entry.get('site', '?')}"] = {
-                **entry,
-                "api": "checkpoint",
-                "source": "call",
-            }
+            last[f"{entry.get('model', '?')}.{entry.get('api', '?')}"] = entry
+        elif entry.get("stage") == "call":  # a checkpoint call site's own decision (CK1-CK7)
+            site = str(entry.get("site", "?"))
+            path, _, line = site.rpartition(":")
+            last[f"the checkpoint call at {os.path.basename(path)}:{line}" if path else site] = (
+                entry
+            )
         elif entry.get("stage") == "verify":
             verified.append(entry["line"].split(" verify ", 1)[-1])
     if not last:
         return ["no checkpointing decision in this process (no enable call went through gcpatch)"]
     out = []
-    for model, entry in last.items():
-        applied = ", ".join(f"{k}={v}" for k, v in entry.get("applied", {}).items()) or "nothing"
+    for where, entry in last.items():
         decision = entry.get("decision", {})
-        text = (
-            f"{model}.{entry.get('api', '?')} ({entry.get('source', '?')}): applied {applied} by "
-            f"{', '.join(entry.get('rules') or ['no rule'])} in {decision.get('mode', '?')} mode"
-        )
+        mode = decision.get("mode", "?")
+        applied = ", ".join(f"{k}={v}" for k, v in entry.get("applied", {}).items())
+        rules = ", ".join(entry.get("rules") or [])
+        if applied:
+            text = f"{where}: applied {applied}" + (f" by {rules}" if rules else "")
+        else:
+            text = f"{where}: left as made"
+        text += f" ({mode} mode)"
         warnings = decision.get("warnings", []) + decision.get("conflicts", [])
         out.append(text + "".join(f"; warning: {w}" for w in warnings))
     return out + [f"verify: {text}" for text in verified]

@@ -9,9 +9,11 @@ class GcpatchError(RuntimeError):
     def __init__(self, message: str, rule: str | None = None, fix: str | None = None) -> None:
         self.rule = rule
         self.fix = fix
-        text = message
+        text = message.strip()
         if rule:
+            if text.startswith(f"{rule} "):  # "CK1 requires ...": the rule is named once, in front
+                text = text[len(rule) + 1 :]
             text = f"[{rule}] {text}"
         if fix:
-            text = f"{text} Fix: {fix}"
+            text = f"{text.rstrip('.;')}. Fix: {fix.rstrip('.')}."
         super().__init__(text)

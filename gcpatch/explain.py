@@ -255,8 +255,19 @@ def entry_lines(entry: dict, verbose: bool) -> list[str]:
         out.append(f"    warning: {text}")
     if isinstance(entry.get("facts"), dict):
         for key, value in entry["facts"].items():
-            out.append(f"      fact {key} = {value!r}")
+            if key == "versions" and isinstance(value, dict):
+                out.append(f"      fact versions = {_versions(value)}")
+            else:
+                out.append(f"      fact {key} = {value!r}")
     return out
+
+
+def _versions(found: dict) -> str:
+    """The frameworks the process had imported, with their versions; a framework installed but
+    not imported (trl under a plain Trainer) was not in use, so it has none."""
+    used = [f"{name} {version}" for name, version in found.items() if version]
+    idle = [str(name) for name, version in found.items() if not version]
+    return ", ".join(used) + (f" (not imported: {', '.join(idle)})" if idle else "")
 
 
 def _out(text: str) -> None:

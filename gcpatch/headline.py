@@ -22,7 +22,7 @@ _KNOB_WORDS = {
 def line(entry: dict[str, Any]) -> str:
     """The short line for one record (a decision, a checkpoint call site or a failure)."""
     if "failed_open" in entry:
-        return _fit(
+        return shorten(
             f"gcpatch: {entry.get('stage', '?')} failed open, the framework's own behaviour is kept"
             f" ({entry['failed_open']})"
         )
@@ -35,28 +35,41 @@ def line(entry: dict[str, Any]) -> str:
         model = (
             str(entry.get("model", "?")).rstrip("/").rsplit("/", 1)[-1]
         )  # a config names the model's path
+        if isinstance(entry.get("instance"), int) and entry["instance"] > 1:
+            model += f" #{entry['instance']}"  # the second model of its class, and on
         head = f"gcpatch: {model}" + (f" ({source})" if source != "call" else "") + ": "
     parts = _parts(entry)
     if not parts:
-        return _fit(head + "left as asked")
+        return shorten(head + "left as asked")
+    # the rule id stays on the line: a long first part gives up its reason's words first, then
+    # words before its rule (room kept for "+N more" where more parts follow)
+    reserve = len(" +9 more") if len(parts) > 1 else 0
+    for room in (40, 24, 0):
+        if len(head) + len(parts[0]) + reserve <= LIMIT:
+            break
+        parts = _parts(entry, room)
+    if len(head) + len(parts[0]) + reserve > LIMIT:
+        parts[0] = _keep_rule(parts[0], LIMIT - len(head) - reserve)
     # The first part keeps its reason; the rest name their rule only, and drop out if the line is
     # full.
     text = head + parts[0]
     for index, part in enumerate(parts[1:], 1):
         room = LIMIT - (len(" +9 more") if index < len(parts) - 1 else 0)
         if len(text) + 2 + len(part) > room:
-            return _fit(text, LIMIT - len(" +9 more")) + f" +{len(parts) - index} more"
+            return shorten(text, LIMIT - len(" +9 more")) + f" +{len(parts) - index} more"
         text += "; " + part
-    return _fit(text)
+    return shorten(text)
 
 
-def _parts(entry: dict[str, Any]) -> list[str]:
+def _parts(entry: dict[str, Any], room: int = 60) -> list[str]:
     """The words for each knob that took effect, use_reentrant first."""
     applied = entry.get("applied") or {}
     winners = (entry.get("decision") or {}).get("winners") or {}
     parts: list[str] = []
     if "use_reentrant" in applied:
-        parts.append(_reentrant(entry, applied["use_reentrant"], winners.get("use_reentrant")))
+        parts.append(
+            _reentrant(entry, applied["use_reentrant"], winners.get("use_reentrant"), room)
+        )
     hook = (
         winners.get("input_grads_hook") if isinstance(winners.get("input_grads_hook"), dict) else {}
     )
@@ -72,20 +85,20 @@ def _parts(entry: dict[str, Any]) -> list[str]:
         rule = vote.get("rule", "?")
         if knob == "eval_mode_fix":
             parts.append(
-                f"{value} eval-mode layers checkpoint anyway ({rule}: {_short(vote)})"
+                f"{value} eval-mode layers checkpoint anyway {_why(rule, vote, room)}"
                 if value
                 else f"eval-mode layers cannot be switched, call model.train() ({rule})"
             )
         elif knob in _KNOB_WORDS and value:
             parts.append(
-                f"{_KNOB_WORDS[knob]} ({rule}: {_short(vote)})"
+                f"{_KNOB_WORDS[knob]} {_why(rule, vote, room)}"
                 if not parts
                 else f"{_KNOB_WORDS[knob]} ({rule})"
             )
     return parts
 
 
-def _reentrant(entry: dict[str, Any], value: Any, vote: Any) -> str:
+def _reentrant(entry: dict[str, Any], value: Any, vote: Any, room: int = 60) -> str:
     vote = vote if isinstance(vote, dict) else {}
     asked = (entry.get("asked") or {}).get("use_reentrant")
     rule = vote.get("rule", "?")
@@ -96,7 +109,7 @@ def _reentrant(entry: dict[str, Any], value: Any, vote: Any) -> str:
             else ""
         )
         return f"use_reentrant={value} as asked{kept}"
-    reason = f"{rule}: {_short(vote)}" if _short(vote) else rule
+    reason = _why(rule, vote, room)[1:-1]
     if asked == value:
         return f"use_reentrant={value} as asked ({rule} agrees)"
     facts = entry.get("facts") if isinstance(entry.get("facts"), dict) else {}
@@ -129,17 +142,36 @@ def _kept_through_hook(entry: dict[str, Any]) -> bool:
     )
 
 
-def _short(vote: dict[str, Any]) -> str:
-    """A vote's short reason, or the first clause of its reason where the plugin gave none."""
-    short = vote.get("short")
-    if isinstance(short, str) and short:
-        return short
-    reason = vote.get("reason")
-    if not isinstance(reason, str):
+def _keep_rule(part: str, room: int) -> str:
+    """`part` within `room`, its closing `(rule ...)` kept whole and the words before it cut."""
+    text, sep, rule = part.rpartition(" (")
+    if not sep or len(rule) + 6 > room:
+        return shorten(part, room, " ...")
+    left = room - len(rule) - 2
+    if len(text) > left and " " not in text[: left - 3]:
+        return "..." + sep + rule  # not even its first word fits: the rule alone
+    return shorten(text, left, " ...") + sep + rule
+
+
+def _why(rule: str, vote: dict[str, Any], room: int) -> str:
+    """`(R1: short reason)` within `room` characters of reason, or `(R1)`."""
+    short = _short(vote, room) if room else ""
+    return f"({rule}: {short})" if short else f"({rule})"
+
+
+def _short(vote: dict[str, Any], room: int = 60) -> str:
+    """A vote's short reason, or the first clause of its reason where the plugin gave none;
+    within `room` at a word, or none where its first word alone is longer."""
+    reason = vote.get("short")
+    if not isinstance(reason, str) or not reason:
+        reason = vote.get("reason")
+        if not isinstance(reason, str):
+            return ""
+        for mark in (": ", "; ", " ("):
+            reason = reason.split(mark, 1)[0]
+    if len(reason) > room and " " not in reason[: room - 3]:
         return ""
-    for mark in (": ", "; ", " ("):
-        reason = reason.split(mark, 1)[0]
-    return reason if len(reason) <= 60 else reason[:57].rstrip() + "..."
+    return shorten(reason, room, " ...")
 
 
 def _site(site: str) -> str:
@@ -147,8 +179,47 @@ def _site(site: str) -> str:
     return f"{os.path.basename(path)}:{lineno}" if path else str(site)
 
 
-def _fit(text: str, limit: int = LIMIT) -> str:
-    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+# What ends a line cut short: where the rest is.
+MORE = " ... (gcpatch explain -v)"
+INDENT = "    "  # a wrapped message's continuation lines
+
+
+def shorten(text: str, limit: int | None = None, more: str = MORE) -> str:
+    """`text` within `limit` characters (default LIMIT), cut at a word (never inside one), ending
+    with `more` (where the rest is)."""
+    limit = LIMIT if limit is None else limit
+    if len(text) <= limit:
+        return text
+    room = limit - len(more)
+    cut = text.rfind(" ", 0, room + 1)
+    # at a word wherever there is one; a single word longer than the room (a path) is cut
+    return (text[:cut] if cut > 0 else text[:room]).rstrip(" ,;:(") + more
+
+
+def wrap(text: str, limit: int | None = None) -> str:
+    """A long message (a budget's plan, a verification) as lines of at most `limit` characters
+    (default LIMIT), broken at words, the continuation lines indented: nothing of it is cut."""
+    limit = LIMIT if limit is None else limit
+    if len(text) <= limit:
+        return text
+    lines, current = [], ""
+    for word in text.split(" "):
+        width = limit - (len(INDENT) if lines else 0)
+        if current and len(current) + 1 + len(word) > width:
+            lines.append(current)
+            current = ""
+        while len(current) + len(word) > limit - len(INDENT):  # a path longer than a line
+            room = limit - (len(INDENT) if lines else 0) - len(current) - bool(current)
+            lines.append(f"{current} {word[:room]}" if current else word[:room])
+            current, word = "", word[room:]
+        current = f"{current} {word}" if current else word
+    lines.append(current)
+    return ("\n" + INDENT).join(lines)
+
+
+def unwrap(message: str) -> str:
+    """The one-line text of a message `wrap` broke into lines."""
+    return message.replace("\n" + INDENT, " ")
 
 
 def warnings(entry: dict[str, Any]) -> list[str]:
@@ -164,7 +235,7 @@ def warnings(entry: dict[str, Any]) -> list[str]:
         if "; the user asked " in str(text):
             overruled = True
             continue
-        out.append(_fit(f"gcpatch: {who}: warning: {text}"))
+        out.append(shorten(f"gcpatch: {who}: warning: {text}"))
     if overruled:
         for vote in decision.get("overruled") or []:
             won = winners.get(vote.get("knob"))
@@ -172,14 +243,14 @@ def warnings(entry: dict[str, Any]) -> list[str]:
                 continue
             if vote.get("strength") == "user" and won.get("strength") == "required":
                 out.append(
-                    _fit(
+                    shorten(
                         f"gcpatch: {who}: {won.get('rule')} overrules {_whose(vote)}"
                         f" {vote.get('knob')}={vote.get('value')} (GCPATCH_MODE=warn keeps it)"
                     )
                 )
             elif vote.get("strength") == "required" and won.get("strength") == "user":
                 out.append(
-                    _fit(
+                    shorten(
                         f"gcpatch: {who}: warn mode keeps {won.get('knob')}={won.get('value')} over"
                         f" {vote.get('rule')} ({_short(vote)})"
                     )
@@ -195,7 +266,7 @@ def warnings(entry: dict[str, Any]) -> list[str]:
         knob = str(text).split(":", 1)[0].rsplit(" ", 1)[-1]
         won = winners.get(knob) if isinstance(winners.get(knob), dict) else {}
         out.append(
-            _fit(
+            shorten(
                 f"gcpatch: {who}: required rules disagree on {knob}; {won.get('rule', '?')} wins"
                 f" over {', '.join(rules) or '?'} (gcpatch explain -v)"
             )

@@ -570,7 +570,9 @@ def _fail_open(point: PatchPoint, plugin: str, strict: bool):  # noqa: ANN202
         original = _Original(wrapped, user_frame())
         try:
             return point.wrapper(original, instance, args, kwargs)
-        except (GcpatchError, KeyboardInterrupt):
+        except GcpatchError as exc:  # strict mode: its traceback starts at this, the user's call
+            raise exc.with_traceback(None) from exc.__cause__
+        except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 (a plugin's SystemExit must not end the job)
             if original.called:  # the host's own exception: it propagates as it is

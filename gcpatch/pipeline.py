@@ -78,7 +78,9 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
     # verify's own correction says it in its one line (step/verify.py); the decision stays in the
     # record
     quiet = _same_as_last(ctx, facts, decision) or ctx.asker.redecided_by == "verify"
-    entry = record.decision(facts, decision, applied, cfg.record_dir, quiet=quiet)
+    entry = record.decision(
+        facts, decision, applied, cfg.record_dir, quiet=quiet, instance=ctx.model.instance
+    )
     ctx.commit(entry)
     if cfg.memory_budget is not None or cfg.verify:
         # loaded only where asked: the first step's work (verify, then the budget's plan)
@@ -98,7 +100,7 @@ def run_disable(model: Any, api: str) -> dict[str, str]:
     known.replay = None
     restored = apply.remove_all(model)
     checkpoint_call.uncover(model)
-    record.disable(type(model).__name__, api, restored, settings.read().record_dir)
+    record.disable(type(model).__name__, api, restored, settings.read().record_dir, known.instance)
     return restored
 
 
@@ -226,7 +228,7 @@ def _decide_first_forward(model: Any) -> None:
                 decision.warnings.append(
                     vote.unmet or f"{vote.rule}: could not be applied to this model"
                 )
-        record.decision(facts, decision, applied, cfg.record_dir)
+        record.decision(facts, decision, applied, cfg.record_dir, instance=context.instance(model))
     except GcpatchError:
         raise
     except Exception as exc:  # noqa: BLE001 (fail open: the model as the framework left it)

@@ -46,9 +46,11 @@ def decision(
     applied: dict[str, Any],
     record_dir: str | None,
     quiet: bool = False,
+    instance: int = 1,
 ) -> dict[str, Any]:
     """Record one decision. `quiet` (the same decision again, e.g. trl#480's double enable)
-    logs at DEBUG instead of INFO; the JSONL record is written either way."""
+    logs at DEBUG instead of INFO; the JSONL record is written either way. `instance`: the
+    model's number among the models of its class (gcpatch/context.py)."""
     entry = {
         "time": time.time(),
         "pid": os.getpid(),
@@ -56,6 +58,7 @@ def decision(
         "world_size": facts.world_size,
         "stage": facts.stage,
         "model": facts.model_class,
+        "instance": instance,
         "api": facts.api,
         "source": facts.source,
         "asked": {"use_reentrant": facts.asked_use_reentrant, "from": facts.asked_from},
@@ -114,14 +117,22 @@ def call_site(
 
 
 def disable(
-    model: str, api: str, restored: dict[str, str], record_dir: str | None
+    model: str, api: str, restored: dict[str, str], record_dir: str | None, instance: int = 1
 ) -> dict[str, Any]:
     """Record the user's disable: what gcpatch gave back so the model is as it would be
     without gcpatch (its hooks are always removed; `restored` lists the configs R6 changed)."""
     given_back = "; ".join(f"{change} on {where}" for where, change in restored.items())
-    line = f"gcpatch: {model}: {api} gave back " + (given_back or "nothing but its hooks")
+    named = model + (f" #{instance}" if instance > 1 else "")
+    line = f"gcpatch: {named}: {api} gave back " + (given_back or "nothing but its hooks")
     entry = event(
-        {"stage": Stage.DISABLE, "model": model, "api": api, "restored": restored, "line": line},
+        {
+            "stage": Stage.DISABLE,
+            "model": model,
+            "instance": instance,
+            "api": api,
+            "restored": restored,
+            "line": line,
+        },
         record_dir,
     )
     # said once per job like a decision; a disable that gave back only hooks is said at DEBUG
@@ -167,7 +178,9 @@ def _keep(entry: dict[str, Any], record_dir: str | None) -> dict[str, Any]:
     decision is a count, not a new entry. The record gets a `repeat` line at the 1st, 2nd, 4th,
     8th ... repeat, so it grows with the logarithm of the repeats, and the history holds at most
     HISTORY_MAX entries. Returns the entry that stands for this one."""
-    identity = tuple(str(entry.get(k, "")) for k in ("stage", "model", "api", "source", "site"))
+    identity = tuple(
+        str(entry.get(k, "")) for k in ("stage", "model", "instance", "api", "source", "site")
+    )
     # a record directory of its own (the variable is read at each decision) gets the entry itself
     last = _last_of.get((*identity, record_dir))
     if last is not None and _content(last) == _content(entry):
@@ -179,7 +192,9 @@ def _keep(entry: dict[str, Any], record_dir: str | None) -> dict[str, Any]:
                     "pid": entry.get("pid"),
                     "rank": entry.get("rank"),
                     "stage": "repeat",
-                    "of": dict(zip(("stage", "model", "api", "source", "site"), identity)),
+                    "of": dict(
+                        zip(("stage", "model", "instance", "api", "source", "site"), identity)
+                    ),
                     "repeats": count,
                 },
                 record_dir,

@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import Any
 
-from gcpatch import lifetime, record, settings
+from gcpatch import headline, lifetime, record, settings
 
 log = logging.getLogger("gcpatch")
 
@@ -218,7 +218,7 @@ def _say(entry: str) -> None:
         " backward into .grad, every other .grad left as it was (CK6: torch refuses reentrant"
         " checkpointing there)"
     )
-    log.info("%s", line)
+    log.info("%s", headline.wrap(line))
     record.event(
         {"stage": "grads", "entry": entry, "line": line, "rules": ["CK6"]},
         settings.read().record_dir,

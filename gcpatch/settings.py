@@ -42,7 +42,11 @@ def reset() -> None:
 
 def env_switch() -> bool | None:
     """GCPATCH: True (on), False (explicitly off) or None (unset)."""
-    raw = os.environ.get("GCPATCH")
+    return switch(os.environ.get("GCPATCH"))
+
+
+def switch(raw: str | None) -> bool | None:
+    """A value of GCPATCH (`gcpatch doctor` reads the one its process started with)."""
     if raw is None:
         return None
     value = raw.strip().lower()
@@ -182,9 +186,9 @@ _NO_BUDGET = (
 
 
 def _memory_budget(raw: str) -> object:
-    """GCPATCH_MEMORY_BUDGET: a fraction of the activations (0.5) or a size (6GiB, 800MB), parsed
-    by gcpatch.budget (imported only when the variable is set: this module is on the start-up
-    path)."""
+    """GCPATCH_MEMORY_BUDGET: a fraction of each step's activations (0.5), a size (6GiB, 800MB) or
+    auto (auto:24GiB), parsed by gcpatch.budget (imported only when the variable is set: this
+    module is on the start-up path)."""
     from gcpatch.budget import parse
 
     parsed = parse(raw)

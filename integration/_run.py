@@ -28,6 +28,8 @@ DECISION_LINE = re.compile(
     r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|bound tensors|left as asked"
     r"|an input that requires grad|result passed through)"
 )
+LINE_LIMIT = 120  # gcpatch/headline.py LIMIT: one terminal row
+CUT_WORD = re.compile(r"[A-Za-z]\.\.\.(?=[\s)]|$)")  # "needs t...": a word cut where it stood
 BLUNT = Path(__file__).resolve().parent / "blunt"  # sitecustomize.py: the force-non-reentrant patch
 TIMEOUT_S = 300
 # torch 2.13's gloo may abort a rank as the interpreter exits when the job never destroyed its process
@@ -129,6 +131,40 @@ class Run:
         """gcpatch's one-line decisions on stderr (gcpatch/headline.py: `gcpatch: <model>[ (<source>)]:
         <what changed> (<rule>: <why>)`, or `gcpatch: checkpoint call at <file:line>: ...`)."""
         return [line for line in self.stderr.splitlines() if DECISION_LINE.match(line)]
+
+    def messages(self) -> list[str]:
+        """stderr with each gcpatch message whole: a long one (a budget's plan, a verification) is
+        wrapped at words into indented continuation lines (gcpatch/headline.py `wrap`)."""
+        out: list[str] = []
+        for line in self.stderr.splitlines():
+            if line.startswith("    ") and out and out[-1].startswith("gcpatch: "):
+                out[-1] += " " + line[4:]
+            else:
+                out.append(line)
+        return out
+
+    def line_problems(self) -> list[str]:
+        """gcpatch's console lines and crash notes that are not whole: longer than the limit, or
+        with a word cut short ("needs t..."). Every run the suite reads is checked
+        (conftest.ScriptRuns.get); at GCPATCH_LOG=debug the full DEBUG detail lines are exempt."""
+        if ("GCPATCH_LOG", "debug") in self.spec.env:
+            return []
+        texts = self.stderr.splitlines()
+        for result in self.results or [self.result]:
+            texts += [line for note in _notes(result) for line in note.splitlines()]
+        out, ours = [], False
+        for line in texts:
+            if line.startswith("gcpatch"):
+                ours = True
+            elif not line.startswith("  "):
+                ours = False
+            if not ours:
+                continue
+            if len(line) > LINE_LIMIT:
+                out.append(f"longer than {LINE_LIMIT} characters ({len(line)}): {line}")
+            if CUT_WORD.search(line):
+                out.append(f"a word cut short: {line}")
+        return out
 
     def records(self) -> list[dict]:
         """Every JSONL record gcpatch wrote under GCPATCH_RECORD, in file order."""
@@ -235,3 +271,13 @@ def run_script(spec: Spec, workdir: Path) -> Run:
         run.results = sorted(results, key=lambda r: r.get("rank", 0))
         run.result = run.results[0]
     return run
+
+
+def _notes(value: object) -> list[str]:
+    """Every crash note a script's RESULT carries (`notes`, at any depth: one per case)."""
+    if isinstance(value, dict):
+        found = [str(n) for n in value.get("notes") or [] if isinstance(value.get("notes"), list)]
+        return found + [n for k, v in value.items() if k != "notes" for n in _notes(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _notes(v)]
+    return []

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from _run import Run, Spec, run_script, warm_starts_summary
+from testkit.tempdirs import pytest_sessionfinish, pytest_sessionstart  # noqa: F401 (hooks)
 
 
 class ScriptRuns:
@@ -47,6 +48,9 @@ class ScriptRuns:
         assert (run.exited_cleanly() or not exit_ok) and run.result, (
             f"script failed or printed no single RESULT line\n{run.describe()}"
         )
+        # every line gcpatch printed in a run the suite reads is whole (gcpatch/headline.py)
+        problems = run.line_problems()
+        assert not problems, f"{spec.label()}:\n" + "\n".join(problems)
         return run
 
     def close(self) -> None:

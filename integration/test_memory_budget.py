@@ -16,7 +16,16 @@ BUDGETS = "0.6,0.25,0.01,unset"
 TOLERANCE = 0.05
 LOOP = Spec(SCRIPT, ("--setup", "loop", "--budgets", BUDGETS), env=(("GCPATCH_VERIFY", "1"),))
 DDP = Spec("budget_ddp.py", env=(("GCPATCH_MEMORY_BUDGET", "0.6"),), launcher="torchrun2")
-RUNS = [LOOP, DDP]
+# rank 0's and rank 1's token counts per step: different within a step and from step to step
+LENGTHS = "64:64,128:32,256:64,32:128"
+DDP_SIZE = "8000000B"
+DDP_LENGTHS = Spec(
+    "budget_ddp.py",
+    ("--lengths", LENGTHS),
+    env=(("GCPATCH_MEMORY_BUDGET", DDP_SIZE),),
+    launcher="torchrun2",
+)
+RUNS = [LOOP, DDP, DDP_LENGTHS]
 
 
 def _run(script_runs, setup: str):
@@ -35,9 +44,7 @@ def _run(script_runs, setup: str):
 
 def _budget_lines(run) -> list[str]:
     return [
-        line
-        for line in run.stderr.splitlines()
-        if line.startswith("gcpatch: rank ") and " budget " in line
+        line for line in run.messages() if line.startswith("gcpatch: rank ") and " budget " in line
     ]
 
 
@@ -153,7 +160,7 @@ def test_ddp_ranks_run_rank_0s_plan(script_runs):
         assert result["rng_after"] == plain.results[rank]["rng_after"]
     lines = _budget_lines(run)
     assert any(
-        line.startswith("gcpatch: rank 1 ") and "(rank 0's plan)" in line for line in lines
+        line.startswith("gcpatch: rank 1 ") and "(rank 0's cost model)" in line for line in lines
     ), lines
     by_rank = run.records_by_rank()
     plans = [
@@ -165,3 +172,27 @@ def test_ddp_ranks_run_rank_0s_plan(script_runs):
 
 def _reference_bytes(script_runs) -> int:
     return _run(script_runs, "loop").result["reference_bytes"]
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_with_different_lengths_each_plan_their_own_shape_exactly(script_runs):
+    """Each rank plans the shape it sees from rank 0's cost model: within the budget (or fully
+    checkpointed at its floor) on every step, and the all-reduced gradients and the parameters
+    after AdamW bit for bit those of the same run without gcpatch."""
+    env = {"GCPATCH_MEMORY_BUDGET": DDP_SIZE}
+    args = ("--lengths", LENGTHS)
+    run = script_runs.get("budget_ddp.py", *args, gcpatch=True, env=env, launcher="torchrun2")
+    plain = script_runs.get("budget_ddp.py", *args, gcpatch=False, launcher="torchrun2")
+    floor_said = any("below the floor" in line for line in run.messages())
+    for rank, result in enumerate(run.results):
+        assert [s["tokens"] for s in result["steps"]] == [
+            int(pair.split(":")[rank]) for pair in LENGTHS.split(",")
+        ]
+        for step, ref in zip(result["steps"][1:], plain.results[rank]["steps"][1:]):
+            within = step["held"] <= int(DDP_SIZE[:-1]) * (1 + TOLERANCE)
+            assert within or (all(step["flags"]) and floor_said), (rank, step)
+            assert step["grads"] == ref["grads"], (rank, step["tokens"])
+        assert result["params_after"] == plain.results[rank]["params_after"]
+    # in the same step the two ranks ran different plans where their lengths differ
+    step2 = [result["steps"][1] for result in run.results]
+    assert step2[0]["tokens"] != step2[1]["tokens"] and step2[0]["flags"] != step2[1]["flags"]

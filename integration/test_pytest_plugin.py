@@ -1,6 +1,7 @@
 """The pytest plugin as a user meets it: a test suite that never imports gcpatch gets the
 `gcpatch_verify` fixture from the installed package's pytest11 entry point, and reads a failure
-message that names the parameters or the missing saving."""
+message that names the parameters (the first few) or the missing saving, and what fixes it; it
+checks the set-up the test built, with gcpatch off unless the suite runs with GCPATCH=1."""
 
 from __future__ import annotations
 
@@ -41,7 +42,11 @@ def test_plugin_failure_names_the_parameters(user_suite):
         -4000:
     ]
     assert "13 tensor(s) get no gradient with checkpointing but one without it: embed.weight" in out
-    assert "blocks.2.fc.bias" in out  # every name, not a truncated list
+    assert "(+5 more)" in out  # the first names; the report (and the record) hold every one
+    assert "- fix: use_reentrant=False (gradient_checkpointing_enable(" in out
+    message = out.split("is not what it should be", 1)[1].split("\n\n", 1)[0]
+    lines = [line.removeprefix("E ").strip() for line in message.splitlines()]
+    assert max(len(line) for line in lines) <= 120, lines  # wrapped at a word, nothing cut
 
 
 def test_plugin_failure_shows_no_saving_in_eval_mode(user_suite):

@@ -33,9 +33,7 @@ RUNS = (
 
 def verify_lines(run) -> list[str]:
     return [
-        line
-        for line in run.stderr.splitlines()
-        if line.startswith("gcpatch: rank ") and " verify " in line
+        line for line in run.messages() if line.startswith("gcpatch: rank ") and " verify " in line
     ]
 
 

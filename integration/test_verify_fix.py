@@ -52,7 +52,7 @@ def _assert_corrected(run, correct, asked):
         and last["decision"]["winners"]["use_reentrant"]["rule"] == "VERIFY"
     )
     assert last["applied"]["use_reentrant"] is False and last["asked"]["use_reentrant"] is asked
-    lines = [line for line in run.stderr.splitlines() if "changed before the first step" in line]
+    lines = [line for line in run.messages() if "changed before the first step" in line]
     assert len(lines) == 1, run.stderr
 
 
@@ -112,7 +112,4 @@ def test_the_last_resort_is_checkpointing_off_for_the_blocks_non_reentrant_canno
     )
     assert off["corrected"].startswith("checkpointing off for 3 of 3 checkpointed blocks")
     assert off["verify"]["gradients_match"] and off["verify"]["blocks"] == {}
-    assert (
-        len([line for line in run.stderr.splitlines() if "changed before the first step" in line])
-        == 2
-    )
+    assert len([line for line in run.messages() if "changed before the first step" in line]) == 2

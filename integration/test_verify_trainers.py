@@ -37,9 +37,7 @@ KEYS = ("first_step_grads", "params_after", "rng_after", "losses")
 
 
 def verify_lines(run) -> list[str]:
-    return [
-        line for line in run.stderr.splitlines() if re.match(r"gcpatch: rank \d+ verify ", line)
-    ]
+    return [line for line in run.messages() if re.match(r"gcpatch: rank \d+ verify ", line)]
 
 
 def assert_one_matching_line_per_rank(run, ranks: int) -> None:

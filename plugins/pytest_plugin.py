@@ -57,13 +57,9 @@ def gcpatch_verify_check(
     else:
         args, kwargs = (batch,), {}
     report = verify.check(model, args, kwargs, rows=rows, loss_fn=loss_fn)
-    problems = report.problems(min_saved=min_saved, full=True)
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise AssertionError(
-            f"gcpatch verify: checkpointing on {report.model} is not what it should be:\n{lines}\n"
-            f"  measured: {report.line()}"
-        )
+    failure = report.failure(min_saved=min_saved)
+    if failure:
+        raise AssertionError(failure)
     return report
 
 

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from testkit.tempdirs import pytest_sessionfinish, pytest_sessionstart  # noqa: F401 (hooks)
 
 KINDS = ("unit", "process", "infra", "docs")
 

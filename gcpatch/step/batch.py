@@ -43,12 +43,46 @@ def batch_size(torch: Any, args: tuple, kwargs: Mapping[str, Any]) -> int | None
 
 
 def shape(torch: Any, args: tuple, kwargs: Mapping[str, Any]) -> tuple[int, int] | None:
-    """(rows, tokens) of the batch: its main input's first two dimensions (tokens 1 for an input
-    with one dimension)."""
+    """(rows, tokens) of the batch; tokens 1 where the main input is not a token sequence (pixel
+    values, audio features: their second dimension is not a length the budget follows)."""
     value = main_input(torch, args, kwargs)
     if value is None:
         return None
-    return int(value.shape[0]), int(value.shape[1]) if value.dim() >= 2 else 1
+    return int(value.shape[0]), _tokens(torch, value, kwargs) or 1
+
+
+def _tokens(torch: Any, value: Any, kwargs: Mapping[str, Any]) -> int | None:
+    """The token count of a token sequence: input_ids (integers, rows x tokens) or inputs_embeds
+    (rows x tokens x hidden), by keyword or as the first positional tensor."""
+    if value is kwargs.get("inputs_embeds"):
+        return int(value.shape[1]) if value.dim() == 3 else None
+    integer = not value.is_floating_point() and not value.is_complex()
+    return int(value.shape[1]) if value.dim() == 2 and integer else None
+
+
+def first_tokens(torch: Any, value: Any, full: int, tokens: int, name: str = "") -> Any:
+    """Every tensor of a (sliced) batch cut to its first `tokens` of `full` tokens: each dimension
+    after the rows whose length is `full` (a mask of rows x 1 x tokens x tokens in both), a
+    1-dimensional cache_position too, and inputs_embeds in its token dimension only."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 1:
+            return value[:tokens] if name in NOT_BATCHED and value.shape[0] == full else value
+        dims = [1] if name == "inputs_embeds" else range(1, value.dim())
+        index = [slice(None)] * value.dim()
+        for dim in dims:
+            if value.shape[dim] == full:
+                index[dim] = slice(0, tokens)
+        part = value[tuple(index)].detach().clone()
+        return (
+            part.requires_grad_(True) if value.requires_grad and part.is_floating_point() else part
+        )
+    if isinstance(value, dict):
+        return {k: first_tokens(torch, v, full, tokens, k) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(first_tokens(torch, v, full, tokens, name) for v in value)
+    if isinstance(value, list):
+        return [first_tokens(torch, v, full, tokens, name) for v in value]
+    return value
 
 
 def first_rows(torch: Any, value: Any, batch: int, rows: int, name: str = "") -> Any:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 import weakref
 from typing import Any, Callable
 
 from gcpatch import budget as budget_mod
-from gcpatch import lifetime
-from gcpatch.facts import passes_kv_cache
+from gcpatch import context, lifetime
 from gcpatch.step import invisible, planner, verify
+from gcpatch.step.training import training_forward
 
 log = logging.getLogger("gcpatch")
 
@@ -60,7 +59,7 @@ class FirstStep:
         self.modules = [weakref.ref(m) for m in modules]
 
     def started(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if not _training_forward(kwargs) or (
+        if not training_forward(kwargs) or (
             self.entered is not None and module is not self.entered
         ):
             return
@@ -77,7 +76,7 @@ class FirstStep:
                 return
             self.phase, self.batch = FORWARD, (args, kwargs)
         elif self.phase == CONFIRM:
-            self.confirmation = planner.Confirmation(type(model).__name__, self.outcome)
+            self.confirmation = planner.Confirmation(context.name(model), self.outcome, model)
             self.confirmation.__enter__()
 
     def returned(self, module: Any, output: Any) -> None:
@@ -183,19 +182,6 @@ def _remove(module: Any, *hooks: Any) -> None:
         for key, value in list(entries.items()):
             if any(value is hook for hook in hooks):
                 del entries[key]
-
-
-def _training_forward(kwargs: dict) -> bool:
-    """A forward that builds a graph for a training step: grad on, not gcpatch's own pass, not
-    traced by torch.compile (deciding is eager work; it waits for an eager forward), not asking
-    for a KV cache."""
-    torch = sys.modules["torch"]
-    if invisible.active() or not torch.is_grad_enabled():
-        return False
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and compiler.is_compiling():
-        return False
-    return kwargs.get("use_cache") is not True and not passes_kv_cache(kwargs)
 
 
 # FirstStep of each model armed and not yet done (one per model; a re-enable keeps it).

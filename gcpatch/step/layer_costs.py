@@ -3,11 +3,12 @@ plain and checkpointed, and the seconds its recompute takes.
 
 A plain layer holds what it allocated and is still alive; a checkpointed one holds only its outputs
 (the next layer's input, which the plain layer also holds), so both are read from one plain forward
-counted by the instrument (gcpatch/step/held.py). Bytes are measured on one and on two rows of the
-batch and extrapolated linearly to the whole batch (a causal mask or rotary table does not grow with
-it), so the measuring forward never needs the memory the budget is there to avoid. Seconds are
-timed on a separate pass without the instrument, and averaged over layers of one kind holding the
-same bytes (they run the same kernels; the first one also pays warm-up).
+counted by the instrument (gcpatch/step/held.py). Bytes are measured on one and two rows of the
+batch, at its token count and a truncated one, and fitted as a cost model of the shape
+(gcpatch/step/cost_model.py), so the measuring forwards never need the memory the budget is there to
+avoid and every later shape is planned without measuring again. Seconds are timed on a separate
+pass without the instrument, and averaged over layers of one kind holding the same bytes (they run
+the same kernels; the first one also pays warm-up).
 """
 
 from __future__ import annotations
@@ -18,17 +19,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gcpatch.step.batch import tensors
+from gcpatch.step.cost_model import CostModel, Curve
 from gcpatch.step.held import OUTSIDE, Held
 from gcpatch.step.solver import LayerCost
 
 
 @dataclass
 class Measured:
-    """Per-layer costs extrapolated to the whole batch, and how they were measured."""
+    """The fitted cost model, the costs it gives at the measured batch's shape, and how it was
+    measured."""
 
-    layers: list[LayerCost]
-    outside: float  # held by what runs outside the layers (embeddings, head, loss, masks)
+    model: CostModel
+    layers: list[LayerCost]  # at the batch's own shape
+    outside: float
     rows: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     batch: int = 0
     seconds: float = 0.0  # what measuring took
 
@@ -38,69 +43,83 @@ class Measured:
 
 
 def measure(
-    model: Any, layers: list[Any], run: Callable[[int], Any], batch: int, kinds: list[str]
+    model: Any,
+    layers: list[Any],
+    run: Callable[[int, int], Callable[[], Any]],
+    shape: tuple[int, int],
+    kinds: list[str],
+    token_lengths: list[int] | None = None,
 ) -> Measured:
-    """`run(rows)` runs `model`'s forward on the first `rows` rows with every layer plain and
-    returns its output; the caller owns RNG, flags and hooks (gcpatch/planner.py)."""
+    """`run(rows, tokens)` cuts the batch to its first `rows` rows and `tokens` tokens and returns
+    the forward on them, which runs with every layer plain and returns its output (the cut is made
+    before counting starts: the new leaves are not the forward's to hold); the caller owns RNG,
+    flags and hooks (gcpatch/step/planner.py). `token_lengths`: the token counts to measure (the
+    batch's own last); one count: tokens are not measured, only rows."""
     start = time.perf_counter()
+    batch, full_tokens = shape
     sizes = [1] if batch <= 1 else [1, 2]
-    points = []
-    for rows in sizes:
-        held = Held(layers)
-        with held:
-            output = run(rows)
-        # The graph stays, what the forward returned goes: the caller decides whether to keep its
-        # logits, and they are held with or without checkpointing.
-        graph = [t.grad_fn for t in tensors(sys.modules["torch"], output) if t.grad_fn is not None]
-        del output
-        alive = held.alive()
-        points.append(
-            (
-                [alive.get(i, 0) for i in range(len(layers))],
-                [held.outputs_alive(i) for i in range(len(layers))],
-                alive.get(OUTSIDE, 0),
-            )
-        )
-        del graph, held
-    seconds = _time_layers(layers, lambda: run(sizes[-1]), _sync(model))
-    plain, ckpt, outside = _extrapolate(points, sizes, batch)
-    costs = [
-        LayerCost(name=f"{i}", plain=p, checkpointed=min(c, p), seconds=s, kind=k)
-        for i, (p, c, s, k) in enumerate(zip(plain, ckpt, seconds, kinds))
-    ]
+    lengths = token_lengths or [full_tokens]
+    n = len(layers)
+    plain: list[dict] = [{} for _ in range(n)]
+    ckpt: list[dict] = [{} for _ in range(n)]
+    outside: dict = {}
+    for tokens in lengths:
+        for rows in sizes:
+            forward = run(rows, tokens)
+            held = Held(layers)
+            with held:
+                output = forward()
+            # The graph stays, what the forward returned goes: the caller decides whether to keep
+            # its logits, and they are held with or without checkpointing.
+            graph = [
+                t.grad_fn for t in tensors(sys.modules["torch"], output) if t.grad_fn is not None
+            ]
+            del output
+            alive = held.alive()
+            for i in range(n):
+                plain[i][(rows, tokens)] = float(alive.get(i, 0))
+                ckpt[i][(rows, tokens)] = float(held.outputs_alive(i))
+            outside[(rows, tokens)] = float(alive.get(OUTSIDE, 0))
+            del graph, held, forward
+    timed_at = (sizes[-1], lengths[-1])
+    seconds = _time_layers(layers, run(*timed_at), _sync(model))
+    seconds = _averaged(seconds, kinds, [p[timed_at] for p in plain], [c[timed_at] for c in ckpt])
+    costs = CostModel(
+        plain=[Curve.fit(p) for p in plain],
+        checkpointed=[Curve.fit(c) for c in ckpt],
+        outside=Curve.fit(outside),
+        seconds=seconds,
+        timed_at=timed_at,
+        kinds=list(kinds),
+        measured_at=[(r, t) for t in lengths for r in sizes],
+        tokens_measured=len(lengths) > 1,
+    )
+    at_batch, outside_at_batch = costs.layers(batch, full_tokens)
     return Measured(
-        layers=_averaged(costs),
-        outside=outside,
+        model=costs,
+        layers=at_batch,
+        outside=outside_at_batch,
         rows=sizes,
+        tokens=list(lengths),
         batch=batch,
         seconds=time.perf_counter() - start,
     )
 
 
-def _extrapolate(
-    points: list, sizes: list[int], batch: int
-) -> tuple[list[float], list[float], float]:
-    if len(points) == 1:
-        ((plain, ckpt, outside),) = points
-        return [float(v) for v in plain], [float(v) for v in ckpt], float(outside)
-    (p1, c1, o1), (p2, c2, o2) = points
-    scale = (batch - sizes[0]) / (sizes[1] - sizes[0])
-
-    def line(a: float, b: float) -> float:
-        return max(0.0, a + (b - a) * scale)
-
-    return [line(a, b) for a, b in zip(p1, p2)], [line(a, b) for a, b in zip(c1, c2)], line(o1, o2)
-
-
-def _averaged(costs: list[LayerCost]) -> list[LayerCost]:
-    groups: dict[tuple, list[LayerCost]] = {}
-    for cost in costs:
-        groups.setdefault((cost.kind, cost.plain, cost.checkpointed), []).append(cost)
-    mean = {key: sum(c.seconds for c in group) / len(group) for key, group in groups.items()}
-    return [
-        LayerCost(c.name, c.plain, c.checkpointed, mean[(c.kind, c.plain, c.checkpointed)], c.kind)
-        for c in costs
-    ]
+def _averaged(
+    seconds: list[float], kinds: list[str], plain: list[float], ckpt: list[float]
+) -> list[float]:
+    """Layers of one kind holding the same bytes run the same kernels: one mean time for them
+    (the first one also paid warm-up)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(zip(kinds, plain, ckpt)):
+        groups.setdefault(key, []).append(i)
+    out = list(seconds)
+    for members in groups.values():
+        mean = sum(seconds[i] for i in members) / len(members)
+        for i in members:
+            out[i] = mean
+    return out
 
 
 def _time_layers(

@@ -6,13 +6,16 @@ that step's backward: the first step itself runs with checkpointing as enabled (
 floor of the budget), so nothing of the user's runs twice before their own forward and an exception
 of their own surfaces from their own call. The measuring passes run on a slice of that batch, in
 forward passes only, invisibly (gcpatch/step/invisible.py): RNG, buffers and flags as they were,
-the user's own hooks off. The plan applies from the next training forward on.
+the user's own hooks off. They fit a cost model of the batch shape (rows and tokens:
+gcpatch/step/cost_model.py), and from the next training forward on each step's own shape picks its
+plan from it (gcpatch/step/shapes.py): the budget holds on every step, not only on the first shape.
 
 A per-layer plan needs a per-layer switch: transformers' GradientCheckpointingLayer (4.52+) reads
 each layer's own `gradient_checkpointing` flag. Families whose model loop checkpoints the layers
-have none, and keep full checkpointing with the reason said. Under DDP every rank runs rank 0's
-plan, handed over through the process group's store (times differ per rank, so a plan measured on
-each could differ); FSDP and ZeRO-3 keep full checkpointing: a measuring forward would run their
+have none, and keep full checkpointing with the reason said. Under DDP every rank plans by rank 0's
+cost model, handed over through the process group's store (times differ per rank, so models measured
+on each could differ), each for the shape it sees; FSDP and ZeRO-3 keep full checkpointing: a
+measuring forward would run their
 collectives on one rank only. With GCPATCH_VERIFY=1 the next step, the first with the plan in
 place, is measured too, and a line says what it really held.
 """
@@ -28,12 +31,15 @@ from datetime import timedelta
 from typing import Any, Iterator
 
 from gcpatch import budget as budget_mod
-from gcpatch import lifetime, record, settings
+from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.facts import checkpoint_layers, checkpoint_site
 from gcpatch.ranks import default_store, rank
-from gcpatch.step import invisible, layer_costs, solver
-from gcpatch.step.batch import batch_size, first_rows
+from gcpatch.step import invisible, layer_costs
+from gcpatch.step.batch import first_rows, first_tokens
+from gcpatch.step.batch import shape as batch_shape
+from gcpatch.step.cost_model import CostModel
 from gcpatch.step.held import Held
+from gcpatch.step.shapes import ShapePlans, available_bytes, plan_dict
 
 log = logging.getLogger("gcpatch")
 TOLERANCE = (
@@ -42,9 +48,9 @@ TOLERANCE = (
 DEFAULT_TIMEOUT_S = 1800.0  # as long as DDP's own collectives wait by default
 _ABSENT = object()  # a layer without its own `gradient_checkpointing` (the class default applies)
 
-# What a model was planned to (a re-enable, e.g. the Trainer's `train()`, gets it back at once),
-# and how many plans each model class handed over so far (the same count on every rank).
-_plans: weakref.WeakKeyDictionary[Any, list[bool]] = weakref.WeakKeyDictionary()
+# Each planned model's plans by shape (a re-enable, e.g. the Trainer's `train()`, gets the last one
+# back at once), and how many plans each model class handed over so far (the same on every rank).
+_plans: weakref.WeakKeyDictionary[Any, ShapePlans] = weakref.WeakKeyDictionary()
 _shared: dict[str, int] = {}
 
 
@@ -58,10 +64,11 @@ def reset() -> None:
 def restore(model: Any) -> bool:
     """A model planned already, enabled again (the framework's enable has just switched every layer
     on): its plan back at once. Whether it had one."""
-    flags = _plans.get(model)
-    if flags is None:
+    plans = _plans.get(model)
+    if plans is None:
         return False
-    apply(model, flags)
+    if plans.last is not None:
+        plans.apply(plans.last)
     return True
 
 
@@ -70,26 +77,65 @@ def plan(model: Any, module: Any, args: tuple, kwargs: dict, chosen: budget_mod.
     or the base model whose forward was entered); report it. Returns the outcome."""
     torch = sys.modules["torch"]
     cfg = settings.read()
-    name = type(model).__name__
+    name = context.name(model)
     try:
         outcome = _plan(torch, model, module, args, kwargs, chosen)
+        if "cost_model" in outcome:
+            outcome = _first_plan(torch, model, module, args, kwargs, chosen, name, outcome)
     except Exception as exc:  # noqa: BLE001 (fail open: full checkpointing, as decided)
         outcome = {"skipped": f"planning failed ({type(exc).__name__}: {exc})"}
-    if "flags" in outcome:
-        _plans[model] = outcome["flags"]
-        apply(model, outcome["flags"])
     _report(name, chosen, outcome, cfg)
     return outcome
+
+
+def _first_plan(
+    torch: Any,
+    model: Any,
+    module: Any,
+    args: tuple,
+    kwargs: dict,
+    chosen: budget_mod.Budget,
+    name: str,
+    outcome: dict,
+) -> dict:
+    """The plans by shape, installed on the module this step entered; this batch's plan applied
+    (it holds from the next training forward on, whose own shape then picks)."""
+    layers = _layers(model)
+    costs = CostModel.from_dict(outcome["cost_model"])
+    if len(costs.plain) != len(layers):
+        return {"skipped": f"the plan has {len(costs.plain)} layers, the model {len(layers)}"}
+    plans = ShapePlans(model, layers, costs, chosen, name)
+    rows, tokens = batch_shape(torch, args, kwargs) or (1, 1)
+    available = available_bytes(model, chosen) if chosen.auto else None
+    first = plans.plan_for(rows, tokens, available)
+    plans.apply(first)
+    old = _plans.get(model)
+    if old is not None:
+        old.remove()
+    plans.install(module)
+    _plans[model] = plans
+    return {**outcome, "flags": first.checkpoint, "plan": plan_dict(first), "shape": [rows, tokens]}
+
+
+def _layers(model: Any) -> list:
+    return [
+        m for m in checkpoint_layers(model) if getattr(m, "gradient_checkpointing", False) is True
+    ]
 
 
 def _plan(
     torch: Any, model: Any, module: Any, args: tuple, kwargs: dict, chosen: budget_mod.Budget
 ) -> dict:
-    layers = [
-        m for m in checkpoint_layers(model) if getattr(m, "gradient_checkpointing", False) is True
-    ]
+    layers = _layers(model)
     if not layers:
         return {"skipped": "no layer has checkpointing on"}
+    if chosen.auto and available_bytes(model, chosen) is None:
+        return {
+            "skipped": (
+                "auto has nothing to measure here: the model is on no accelerator (state a"
+                " capacity as auto:<size>, e.g. auto:24GiB)"
+            )
+        }
     if checkpoint_site(layers) == "loop":
         return {
             "skipped": (
@@ -103,14 +149,14 @@ def _plan(
     # the optimizer-in-backward reason does not hold here: the measuring passes run no backward
     if reason and not reason.startswith("parameters carry post-accumulate-grad hooks"):
         return {"skipped": reason}
-    batch = batch_size(torch, args, kwargs)
-    if batch is None:
+    found = batch_shape(torch, args, kwargs)
+    if found is None:
         return {"skipped": "no tensor input with a batch dimension"}
     dist = _distributed()
     if dist is not None and dist.get_rank() != 0:
         return _from_rank0(dist, type(model).__name__)
     try:
-        outcome = _measure_and_solve(torch, module, layers, args, kwargs, batch, chosen)
+        outcome = _measure(torch, module, layers, args, kwargs, found)
     except Exception as exc:  # noqa: BLE001 (published below, so no rank waits for nothing)
         outcome = {"skipped": f"measuring failed ({type(exc).__name__}: {exc})"}
     if dist is not None:
@@ -118,31 +164,39 @@ def _plan(
     return outcome
 
 
-def _measure_and_solve(
-    torch: Any,
-    module: Any,
-    layers: list,
-    args: tuple,
-    kwargs: dict,
-    batch: int,
-    chosen: budget_mod.Budget,
+def _measure(
+    torch: Any, module: Any, layers: list, args: tuple, kwargs: dict, found: tuple[int, int]
 ) -> dict:
-    def run(rows: int) -> Any:
-        s_args, s_kwargs = first_rows(torch, (tuple(args), dict(kwargs)), batch, min(rows, batch))
-        return module(*s_args, **s_kwargs)
+    """The cost model, from forwards on 1 and 2 rows at the batch's token count and half of it
+    (tokens only where the batch is a token sequence and its truncation runs)."""
+    batch, tokens = found
 
+    def run(rows: int, length: int) -> Any:
+        s_args, s_kwargs = first_rows(torch, (tuple(args), dict(kwargs)), batch, min(rows, batch))
+        if length != tokens:
+            s_args, s_kwargs = first_tokens(torch, (s_args, s_kwargs), tokens, length)
+        return lambda: module(*s_args, **s_kwargs)
+
+    kinds = [type(m).__name__ for m in layers]
+    lengths = [tokens // 2, tokens] if tokens >= 4 else [tokens]
+    note = ""
     with invisible.gcpatch_pass(torch, module), _all_plain(layers):
-        kinds = [type(m).__name__ for m in layers]
-        measured = layer_costs.measure(module, layers, run, batch, kinds)
-    found = solver.solve(measured.layers, measured.outside, chosen.limit(measured.plain_total))
+        try:
+            measured = layer_costs.measure(module, layers, run, found, kinds, lengths)
+        except Exception as exc:  # noqa: BLE001 (a model the truncated batch does not fit)
+            if len(lengths) == 1:
+                raise
+            note = f"tokens not measured ({type(exc).__name__}: {exc}), taken as proportional"
+            measured = layer_costs.measure(module, layers, run, found, kinds, [tokens])
     return {
-        "flags": found.checkpoint,
-        "plan": _plan_dict(found),
+        "cost_model": measured.model.to_dict(),
         "measured": {
             "rows": measured.rows,
+            "tokens": measured.tokens,
             "batch": batch,
             "seconds": measured.seconds,
             "outside_bytes": measured.outside,
+            "note": note,
             "layers": [
                 {
                     "plain_bytes": c.plain,
@@ -171,22 +225,6 @@ def _all_plain(layers: list) -> Iterator[None]:
                 m.gradient_checkpointing = old
 
 
-def _plan_dict(found: solver.Plan) -> dict:
-    return {
-        "checkpointed": found.count,
-        "layers": len(found.checkpoint),
-        "limit_bytes": found.limit,
-        "plain_bytes": found.plain_total,
-        "floor_bytes": found.floor,
-        "planned_bytes": found.total,
-        "recompute_s": found.recompute_s,
-        "full_recompute_s": found.full_recompute_s,
-        "every_n_layers": found.every_n_layers(),
-        "below_floor": found.below_floor,
-        "exact": found.exact,
-    }
-
-
 def apply(model: Any, flags: list[bool]) -> None:
     layers = [
         m for m in checkpoint_layers(model) if getattr(m, "gradient_checkpointing", False) is True
@@ -211,7 +249,7 @@ def _report(name: str, chosen: budget_mod.Budget, outcome: dict, cfg: settings.S
     line = f"gcpatch: rank {rank()} budget {name}: {_line(chosen, outcome)}"
     below = "plan" in outcome and outcome["plan"]["below_floor"]
     level = logging.WARNING if "skipped" in outcome or below else logging.INFO
-    log.log(level, "%s", line)
+    log.log(level, "%s", headline.wrap(line))
     record.event(
         {
             "stage": "budget",
@@ -233,7 +271,9 @@ def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
         )
     plan = outcome["plan"]
     plain = plan["plain_bytes"] or 1.0
-    source = " (rank 0's plan)" if outcome.get("from_rank0") else ""
+    source = " (rank 0's cost model)" if outcome.get("from_rank0") else ""
+    rows, tokens = outcome.get("shape") or (0, 0)
+    source += f" at {rows} x {tokens} tokens, each later shape planned for itself" if rows else ""
     if plan["below_floor"]:
         return (
             f"memory budget {chosen.text} ({size(plan['limit_bytes'])}) is below the floor of full"
@@ -252,7 +292,7 @@ def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
         f" {plan['layers']} layers checkpointed{every}{source}; activations"
         f" {size(plan['planned_bytes'])}, {plan['planned_bytes'] / plain:.0%} of"
         f" {size(plan['plain_bytes'])} without checkpointing (saves"
-        f" {1 - plan['planned_bytes'] / plain:.0%}; full checkpointing"
+        f" {1 - plan['planned_bytes'] / plain:.0%}; full checkpointing would keep"
         f" {plan['floor_bytes'] / plain:.0%}); expected recompute"
         f" {plan['recompute_s'] / full:.0%} of full checkpointing's"
     )
@@ -264,10 +304,13 @@ def _details(outcome: dict) -> list[str]:
         return []
     flags = outcome.get("flags", [])
     size = budget_mod.size
+    tokens = "/".join(map(str, measured.get("tokens") or []))
     out = [
-        f"measured on {'/'.join(map(str, measured['rows']))} of {measured['batch']} rows in "
-        f"{measured['seconds']:.3g} s, extrapolated to the batch; outside the layers "
-        f"{size(measured['outside_bytes'])}"
+        f"measured on {'/'.join(map(str, measured['rows']))} of {measured['batch']} rows"
+        + (f" at {tokens} tokens" if tokens else "")
+        + f" in {measured['seconds']:.3g} s, fitted as a cost model of the shape; outside the"
+        f" layers {size(measured['outside_bytes'])}"
+        + (f"; {measured['note']}" if measured.get("note") else "")
     ]
     for i, layer in enumerate(measured["layers"]):
         out.append(
@@ -282,8 +325,9 @@ class Confirmation:
     """GCPATCH_VERIFY=1: counts what the first forward with the plan in place really holds, and
     says it in one line (first_step starts it before that forward and ends it after)."""
 
-    def __init__(self, name: str, outcome: dict) -> None:
+    def __init__(self, name: str, outcome: dict, model: Any = None) -> None:
         self.name, self.outcome = name, outcome
+        self.plans = _plans.get(model) if model is not None else None
         self.held = Held()
 
     def __enter__(self) -> Confirmation:
@@ -304,7 +348,9 @@ class Confirmation:
                 exc,
             )
             return
-        plan = self.outcome["plan"]
+        # the plan this step's own shape picked (the pre-hook ran before this forward)
+        last = self.plans.last if self.plans is not None else None
+        plan = plan_dict(last) if last is not None else self.outcome["plan"]
         ok = total <= max(plan["limit_bytes"], plan["floor_bytes"]) * (1 + TOLERANCE)
         size = budget_mod.size
         line = (
@@ -312,7 +358,7 @@ class Confirmation:
             f"{size(total)} held (planned {size(plan['planned_bytes'])}, budget "
             f"{size(plan['limit_bytes'])}){'' if ok else ': OVER the budget'}"
         )
-        log.log(logging.INFO if ok else logging.WARNING, "%s", line)
+        log.log(logging.INFO if ok else logging.WARNING, "%s", headline.wrap(line))
         record.event(
             {
                 "stage": "budget-verify",
@@ -374,6 +420,6 @@ def _from_rank0(dist: Any, model_name: str) -> dict:
                 f"rank 0's plan did not arrive within {timeout:g} s ({type(exc).__name__}: {exc})"
             )
         }
-    if "flags" in outcome:
-        outcome["from_rank0"] = True
+    if "cost_model" in outcome:
+        outcome["from_rank0"] = True  # rank 0's cost model: this rank plans its own shapes by it
     return outcome

@@ -25,8 +25,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
-from gcpatch import record, settings
+from gcpatch import context, crash_notes, headline, record, settings
 from gcpatch.apply import ModePreservingCheckpoint
+from gcpatch.budget import size
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import checkpoint_layers
 from gcpatch.ranks import rank
@@ -42,6 +43,12 @@ RTOL_LOW_PRECISION = 2e-2
 ATOL = 1e-7
 LOW_SAVING = 0.05  # a saving below 5% means checkpointing took (almost) no effect
 _NAMES_SHOWN = 8
+
+
+GRADIENT_FIX = (
+    "use_reentrant=False (gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    '{"use_reentrant": False})), or run with GCPATCH=1 and gcpatch decides'
+)
 
 
 @dataclass
@@ -67,6 +74,9 @@ class Report:
     checkpointing_on: int = 0  # checkpoint layers with gradient_checkpointing set
     seconds: float = 0.0
     skipped: str = ""
+    # the set-up as configured raised in the checked step (a known checkpointing crash): the finding
+    fails: str = ""
+    fix: str = ""
 
     @property
     def wrong(self) -> list[str]:
@@ -74,7 +84,7 @@ class Report:
 
     @property
     def gradients_match(self) -> bool:
-        return not self.skipped and not self.wrong
+        return not self.skipped and not self.fails and not self.wrong
 
     @property
     def saved_fraction(self) -> float:
@@ -90,6 +100,11 @@ class Report:
         """Everything a user should act on, one sentence each (empty: all is well); `full`
         names every tensor (the record), else the first few (the log line)."""
         limit = None if full else _NAMES_SHOWN
+        if self.fails:
+            return [
+                f"the set-up as configured fails: {self.fails}"
+                + (f"; fix: {self.fix}" if self.fix else "")
+            ]
         if self.skipped:
             return [f"not verified: {self.skipped}"]
         out = []
@@ -109,26 +124,48 @@ class Report:
                 f" {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}):"
                 f" {_names(self.differ, limit)}"
             )
+        if out:
+            out.append(f"fix: {GRADIENT_FIX}")
         if not self.blocks:
             out.append(
                 f"no block was checkpointed in this step ({self.checkpointing_on} module(s) have "
-                "checkpointing on; a model left in eval mode skips it)"
+                "checkpointing on; a model left in eval mode skips it); fix: model.train() before"
+                " the step, after gradient_checkpointing_enable()"
             )
         elif self.saved_fraction < min_saved:
             out.append(
                 f"checkpointing saves {self.saved_fraction:.0%} of the forward's activations "
-                f"(expected at least {min_saved:.0%})"
+                f"(expected at least {min_saved:.0%}); fix: checkpoint more of its layers, or"
+                " expect less of a model whose layers hold few activations"
             )
         twice = sorted(name for name, runs in self.blocks.items() if runs["backward"] > 1)
         if twice:
             out.append(
                 f"{len(twice)} block(s) recomputed more than once in one backward (two tools"
-                f" checkpoint the same blocks?): {_names(twice, limit)}"
+                f" checkpoint the same blocks?): {_names(twice, limit)}; fix: enable checkpointing"
+                " in one place only"
             )
         return out
 
+    def failure(self, min_saved: float = LOW_SAVING) -> str:
+        """What a test that asserts this verification reads (empty: it passes): each problem
+        with the first few names (the report holds them all) and the fix, wrapped at words."""
+        problems = self.problems(min_saved=min_saved)
+        if not problems:
+            return ""
+        lines = "\n".join(headline.wrap(f"  - {p}") for p in problems)
+        return (
+            f"gcpatch verify: checkpointing on {self.model} is not what it should be:\n{lines}\n"
+            + headline.wrap(f"  measured: {self.line()}")
+        )
+
     def line(self) -> str:
         """The one log line: gradients; activations saved; recompute."""
+        if self.fails:
+            fix = f"; fix: {self.fix}" if self.fix else ""
+            return (
+                f"{self.model}: the set-up as configured fails in its first step: {self.fails}{fix}"
+            )
         if self.skipped:
             return f"{self.model}: not verified ({self.skipped})"
         if self.gradients_match:
@@ -149,8 +186,8 @@ class Report:
                 f" {'; '.join(parts)}"
             )
         memory = (
-            f"activations saved {self.saved_fraction:.0%} ({_mb(self.saved_bytes_plain)} -> "
-            f"{_mb(self.saved_bytes_checkpointed)} on {self.rows} of {self.batch} rows)"
+            f"activations saved {self.saved_fraction:.0%} ({size(self.saved_bytes_plain)} -> "
+            f"{size(self.saved_bytes_checkpointed)} on {self.rows} of {self.batch} rows)"
         )
         counts = self.recompute_counts
         idle = [name for name, runs in self.blocks.items() if runs["backward"] == 0]
@@ -222,18 +259,27 @@ def run(model: Any, module: Any, args: tuple, kwargs: dict, correct: Correct | N
 def _checked(model: Any, module: Any, args: tuple, kwargs: dict) -> Report:
     try:
         report = check(module, args, kwargs)
+        report.model = context.name(model)
         if module is not model:
-            report.model = (
-                f"{type(model).__name__} (checked on its base model {type(module).__name__}: "
+            report.model += (
+                f" (checked on its base model {type(module).__name__}: "
                 f"{type(model).__name__}.forward was entered without a module call)"
             )
     except GcpatchError:
         # strict mode stopped the job at a rule (a call-site rule inside the checked pass): as asked
         raise
-    except Exception as exc:  # noqa: BLE001 (fail open)
-        report = Report(
-            model=type(model).__name__, skipped=f"verify failed: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 (fail open: the finding is said, the step runs)
+        report = Report(model=context.name(model))
+        family = crash_notes.family_of(exc)
+        message = (
+            headline.shorten(str(exc).strip().splitlines()[0], 200, " ...")
+            if str(exc).strip()
+            else ""
         )
+        if family is not None:  # a known checkpointing crash: the set-up fails as configured
+            report.fails, report.fix = f"{type(exc).__name__}: {message}", family.fix
+        else:
+            report.skipped = f"verify failed: {type(exc).__name__}: {message}"
     return report
 
 
@@ -256,9 +302,8 @@ def _report_correction(before: Report, after: Report, changed: str, cfg: setting
         f"gcpatch: rank {rank()} verify {before.model}: changed before the first step: {changed}"
         f" (VERIFY: {why}); verified again: {after.line().split(': ', 1)[-1]}"
     )
-    log.log(
-        logging.WARNING if _needs_correction(after) or after.skipped else logging.INFO, "%s", line
-    )
+    level = logging.WARNING if _needs_correction(after) or after.skipped else logging.INFO
+    log.log(level, "%s", headline.wrap(line))
     record.event(
         {
             "stage": "verify",
@@ -276,7 +321,7 @@ def _report_correction(before: Report, after: Report, changed: str, cfg: setting
 def _report(report: Report, cfg: settings.Settings) -> None:
     line = f"gcpatch: rank {rank()} verify {report.line()}"
     problems = report.problems(full=True)
-    log.log(logging.WARNING if problems else logging.INFO, "%s", line)
+    log.log(logging.WARNING if problems else logging.INFO, "%s", headline.wrap(line))
     record.event(
         {
             "stage": "verify",
@@ -513,7 +558,3 @@ def _names(names: list[str], limit: int | None = _NAMES_SHOWN) -> str:
     if limit is None or len(names) <= limit:
         return ", ".join(names)
     return ", ".join(names[:limit]) + f" (+{len(names) - limit} more)"
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.3g} MB"

@@ -6,9 +6,14 @@ dispatch mode), how many layers its backward recomputed, and a digest of its (al
 gradients, so a run with GCPATCH_MEMORY_BUDGET can be compared rank by rank with the same run
 without gcpatch.
 
-usage: python -m torch.distributed.run --nproc_per_node=2 budget_ddp.py
+With --lengths (e.g. 64:64,128:32,256:64, one `rank0:rank1` token count per step) the ranks'
+batches differ in length within a step and from step to step, as under dynamic padding: each rank
+reports every step's held bytes and flags.
+
+usage: python -m torch.distributed.run --nproc_per_node=2 budget_ddp.py [--lengths ...]
 """
 
+import argparse
 import os
 import warnings
 
@@ -22,6 +27,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", default="")
+    args = parser.parse_args()
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -32,9 +40,16 @@ def main() -> None:
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(50 + rank)
+    lengths = (
+        [int(pair.split(":")[rank]) for pair in args.lengths.split(",")] if args.lengths else []
+    )
     ids = torch.randint(0, c.VOCAB, (BATCH, SEQ), generator=gen)
     first_held = None
-    for step in (1, 2):  # the budget's plan is made at the first step and applies from the second
+    per_step = []
+    # the budget's plan is made at the first step and applies from the second
+    for step in range(1, 1 + (len(lengths) or 2)):
+        if lengths:
+            ids = torch.randint(0, c.VOCAB, (BATCH, lengths[step - 1]), generator=gen)
         opt.zero_grad(set_to_none=True)
         counter.backward, counter.count = False, 0
         torch.manual_seed(10 * step + rank)
@@ -46,6 +61,14 @@ def main() -> None:
         loss.backward()
         grads = digest(p.grad for p in model.parameters())
         opt.step()
+        per_step.append(
+            {
+                "tokens": ids.shape[1],
+                "held": nbytes,
+                "flags": [bool(m.gradient_checkpointing) for m in decoder_layers(model)],
+                "grads": grads,
+            }
+        )
     c.emit(
         {
             "scenario": "budget_ddp",
@@ -58,6 +81,7 @@ def main() -> None:
             "second_step_grads": grads,
             "params_after": digest(model.parameters()),
             "rng_after": torch.rand(2).tolist(),
+            "steps": per_step,
         }
     )
     dist.barrier()

@@ -158,7 +158,7 @@ def trainer_step(budget):
 
     counter = Recomputes(model)
     probe = StepProbe(model, counter, at=2)
-    out = tempfile.mkdtemp(prefix="budget-trainer-")
+    out = tempfile.mkdtemp(prefix="budget-trainer-", dir=".")  # in the run's own folder
     args = TrainingArguments(
         output_dir=out,
         per_device_train_batch_size=BATCH,

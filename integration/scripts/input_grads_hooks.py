@@ -80,7 +80,7 @@ def sft() -> dict:
     tok = tokenizer()
     targs = config(
         trl.SFTConfig,
-        output_dir=tempfile.mkdtemp(prefix="gcpatch-hooks-"),
+        output_dir=tempfile.mkdtemp(prefix="gcpatch-hooks-", dir="."),  # the run's folder
         max_steps=1,
         per_device_train_batch_size=2,
         learning_rate=1e-3,

@@ -49,7 +49,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     from peft import prepare_model_for_kbit_training
 
-    tmp = tempfile.mkdtemp(prefix="p5-qlora-")
+    tmp = tempfile.mkdtemp(prefix="p5-qlora-", dir=".")  # in the run's own folder
     c.llama().save_pretrained(tmp)
     ids = c.input_ids()
 

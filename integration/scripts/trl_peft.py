@@ -128,7 +128,7 @@ def main() -> None:
 
     tok = tokenizer()
     model = model_for(tok)
-    out = tempfile.mkdtemp(prefix="gcpatch-trl-")
+    out = tempfile.mkdtemp(prefix="gcpatch-trl-", dir=".")  # in the run's own folder
     common = dict(
         output_dir=out,
         max_steps=2,

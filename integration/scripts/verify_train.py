@@ -92,7 +92,7 @@ def build(setup: str):
     if setup == "qlora":
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-        path = tempfile.mkdtemp(prefix="verify-qlora-")
+        path = tempfile.mkdtemp(prefix="verify-qlora-", dir=".")  # the run's own folder
         llama().save_pretrained(path)
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
         model = AutoModelForCausalLM.from_pretrained(

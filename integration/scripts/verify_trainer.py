@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     capture = FirstStep()
-    out = tempfile.mkdtemp(prefix="verify-trainer-")
+    out = tempfile.mkdtemp(prefix="verify-trainer-", dir=".")  # in the run's own folder
     common = dict(
         output_dir=out,
         gradient_checkpointing=True,

@@ -4,6 +4,7 @@ data it would leave behind."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tarfile
@@ -67,3 +68,58 @@ def test_the_sdist_ships_the_package_and_no_tests(tmp_path):
         "constraints.txt",
     } <= names
     assert not any(name.startswith(("tests/", "integration/")) for name in names)
+    # nothing beyond the list in pyproject.toml (and what hatchling adds to every sdist)
+    listed = {
+        "gcpatch",
+        "plugins",
+        "_gcpatch_startup.py",
+        "LICENSE",
+        "README.md",
+        "constraints.txt",
+    }
+    by_hatchling = {"pyproject.toml", "PKG-INFO", ".gitignore"}
+    assert {name.split("/", 1)[0] for name in names} == listed | by_hatchling | {"startup"}
+    assert {n for n in names if n.startswith("startup/")} == {
+        "startup/gcpatch.pth",
+        "startup/gcpatch.start",
+    }
+
+
+def test_an_editable_install_runs_the_checkout_and_its_start_up_hook(tmp_path):
+    """`pip install -e .`: the three importable names come from the checkout (startup/editable
+    links them), and the start-up hook is installed, so GCPATCH=1 reaches every interpreter."""
+    pytest.importorskip("hatchling")
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "hatchling", "build", "-t", "wheel:editable", "-d", str(dist)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = dist.glob("gcpatch-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
+        + ["--no-index", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    proc = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import sys, json, gcpatch, gcpatch_plugins; print(json.dumps("
+            "['_gcpatch_startup' in sys.modules, gcpatch.__file__, gcpatch_plugins.__file__]))",
+        ],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "GCPATCH": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    started, package, plugins = json.loads(proc.stdout)
+    assert started  # the hook ran at start-up, before the script imported anything
+    assert Path(package).resolve() == ROOT / "gcpatch" / "__init__.py"
+    assert Path(plugins).resolve() == ROOT / "plugins" / "__init__.py"

@@ -24,7 +24,7 @@ import inspect, json, tempfile, torch
 import gcpatch, peft, peft.utils.other as other
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
-path = tempfile.mkdtemp()
+path = tempfile.mkdtemp(dir=".")  # the test's own folder
 torch.manual_seed(0)
 LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)

@@ -142,7 +142,7 @@ def test_doctor_without_any_framework_runs(tmp_path):
         "from gcpatch.cli import main; raise SystemExit(main(['doctor', '--no-import']))", tmp_path
     )
     assert proc.returncode == 0, proc.stderr
-    assert "plugins:" in proc.stdout and "Traceback" not in proc.stderr
+    assert "plugins" in proc.stdout and "Traceback" not in proc.stderr
 
 
 def _builtins() -> str:

@@ -51,6 +51,26 @@ def test_bad_budget_values_give_the_reason(raw, reason):
     assert isinstance(parsed, str) and reason in parsed, parsed
 
 
+@pytest.mark.parametrize(
+    "raw, capacity",
+    [("auto", None), ("AUTO", None), ("auto:24GiB", 24 * 2**30), ("auto: 1e6B", 10**6)],
+)
+def test_auto_parses_with_or_without_a_stated_capacity(raw, capacity):
+    parsed = parse(raw)
+    assert parsed.auto and parsed.capacity == capacity and parsed.fraction is None
+    assert parsed.limit(1e9, available=1234.0) == 1234.0  # what the device has left, not the plain
+    assert parsed.limit(1e9, available=-5.0) == 0.0  # nothing left: the floor (full checkpointing)
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [("auto:", "names no capacity"), ("auto:0.5", "not a size"), ("auto:lots", "not a size")],
+)
+def test_a_bad_auto_capacity_gives_the_reason(raw, reason):
+    parsed = parse(raw)
+    assert isinstance(parsed, str) and reason in parsed, parsed
+
+
 def test_a_bad_budget_is_reported_in_one_line_and_not_applied(monkeypatch, capsys):
     from gcpatch import settings as settings_mod
 

@@ -68,3 +68,37 @@ def test_a_redecision_replays_the_users_ask():
         ctx = context.begin(call(model, None))
     assert ctx.source == "DDP(find_unused_parameters=True) (R4)"
     assert ctx.asked == {"use_reentrant": True} and "decided again" in ctx.asked_from
+
+
+class Other:
+    pass
+
+
+def test_models_of_one_class_are_numbered_in_the_order_met():
+    context.reset()
+    first, second, other = Model(), Model(), Other()
+    for m in (first, other, second, first):
+        context.of(m)
+    assert [context.name(m) for m in (first, second, other)] == ["Model", "Model #2", "Other"]
+    assert context.name(Model()) == "Model"  # a model gcpatch never met is not numbered
+    context.reset()
+    assert context.name(second) == "Model"  # numbers live as long as the activation
+
+
+def test_the_same_decision_on_two_models_is_two_entries_and_a_repeat_on_one_is_a_count():
+    """Two models of one class decided alike (a policy and its reference copy) are two entries
+    that `gcpatch explain` tells apart; the same model decided again (an RL loop's disable and
+    enable) is a count on its entry."""
+    from gcpatch import headline, record
+
+    record.reset()
+    entry = {"stage": "disable", "model": "Model", "api": "gradient_checkpointing_disable"}
+    line = "gcpatch: Model: gave back nothing"
+    for instance in (1, 2, 1, 1):
+        record.event({**entry, "instance": instance, "line": line}, None)
+    kept = record.history()
+    assert [e["instance"] for e in kept] == [1, 2], kept
+    assert kept[0]["repeats"] == 2 and "repeats" not in kept[1]
+    decided = {**entry, "stage": "enable", "instance": 2, "applied": {}}
+    assert headline.line(decided).startswith("gcpatch: Model #2: ")
+    record.reset()

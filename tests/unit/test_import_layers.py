@@ -18,7 +18,10 @@ STEP = {
     "step.invisible",
     "step.held",
     "step.solver",
+    "step.cost_model",
     "step.layer_costs",
+    "step.training",
+    "step.shapes",
     "step.verify",
     "step.planner",
     "step.first_step",
@@ -45,7 +48,10 @@ LAYERS = (
     ),
     ("plugin runtime", {"patching", "deadline", "manager", "engine"}),
     ("orchestration", {"checkpoint_call", "verify", "pipeline", "agreement"} | STEP),
-    ("switch and surfaces", {"activation", "__init__", "plugin", "cli", "explain", "__main__"}),
+    (
+        "switch and surfaces",
+        {"activation", "__init__", "plugin", "cli", "doctor", "explain", "__main__"},
+    ),
 )
 
 

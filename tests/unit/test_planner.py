@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from gcpatch import headline  # noqa: E402
 from gcpatch.budget import parse  # noqa: E402
 from gcpatch.step import first_step, layer_costs, planner  # noqa: E402
 
@@ -67,7 +68,8 @@ def _first_forward(model, caplog, x=None):
     first_step.arm(model, parse("0.5"), verifying=False)
     with caplog.at_level(logging.INFO, logger="gcpatch"):
         model(torch.randn(2, 4, requires_grad=True) if x is None else x)
-    return [r.getMessage() for r in caplog.records if " budget " in r.getMessage()]
+    messages = [headline.unwrap(r.getMessage()) for r in caplog.records]  # a long line is wrapped
+    return [m for m in messages if " budget " in m]
 
 
 @pytest.fixture(autouse=True)

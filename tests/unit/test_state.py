@@ -45,6 +45,7 @@ ACTIVATION = {
     "console._mine",
     "console._pending",
     "context._models",
+    "context._instances",
     "crash_notes._installed",
     "record._history",
     "record._last_of",

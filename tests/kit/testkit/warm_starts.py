@@ -280,6 +280,7 @@ def summary() -> str:
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Stop every warm interpreter and remove its folder (at exit, and at a session's end)."""
     with _servers_lock:
         _close_idle_beyond(0)

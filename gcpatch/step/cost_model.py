@@ -1,0 +1,131 @@
+"""What each checkpointable layer costs at any batch shape, fitted from the measuring forwards of
+the first training step: one budget holds on every step, however its shape changes.
+
+Each quantity (a layer's bytes held plain, held checkpointed, and what runs outside the layers) is
+measured at 1 and 2 rows, and at the batch's token count T and a truncated T/2. Per token count t
+it splits into a per-row part (the 2-row figure minus the 1-row one) and a fixed part (a causal
+mask, a rotary table: 2 x the 1-row figure minus the 2-row one), each fitted as `a*t + b*t**2`
+through the two token counts: the t**2 term is what attention materialises where it is eager
+(its scores). Beyond the largest measured length the prediction is never below the linear one
+through that point, so a fit that bends down cannot promise less than was seen. Where the tokens
+could not be truncated (one token count measured) every part is taken as proportional to t, and the
+record says so.
+
+A layer's recompute seconds, timed once at the measured shape, scale with its plain bytes (the work
+its forward does, attention's quadratic part included). Pure arithmetic, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gcpatch.step.solver import LayerCost
+
+
+@dataclass(frozen=True)
+class Curve:
+    """`per_row(t) * rows + fixed(t)`, each `a*t + b*t**2`, fitted up to `t_max` tokens."""
+
+    row_a: float
+    row_b: float
+    fixed_a: float
+    fixed_b: float
+    t_max: float
+    row_at_max: float  # the measured per-row part at t_max (the linear floor beyond it)
+    fixed_at_max: float
+
+    def __call__(self, rows: float, tokens: float) -> float:
+        per_row = _part(self.row_a, self.row_b, self.t_max, self.row_at_max, tokens)
+        fixed = _part(self.fixed_a, self.fixed_b, self.t_max, self.fixed_at_max, tokens)
+        return max(0.0, per_row * rows + fixed)
+
+    @classmethod
+    def fit(cls, points: dict[tuple[int, int], float]) -> Curve:
+        """From {(rows, tokens): value} at rows 1 and 2 (1 alone for a one-row batch) and one or
+        two token counts."""
+        lengths = sorted({t for _, t in points})
+        parts = []
+        for t in lengths:
+            one = points[(1, t)]
+            two = points.get((2, t))
+            per_row = one if two is None else two - one
+            parts.append((t, per_row, 0.0 if two is None else one - per_row))
+        t_max = float(lengths[-1])
+        _, row_max, fixed_max = parts[-1]
+        if len(parts) == 1:  # tokens not measured: proportional to t
+            return cls(row_max / t_max, 0.0, fixed_max / t_max, 0.0, t_max, row_max, fixed_max)
+        (t1, r1, f1), (t2, r2, f2) = parts[0], parts[-1]
+        row_a, row_b = _through(t1, r1, t2, r2)
+        fixed_a, fixed_b = _through(t1, f1, t2, f2)
+        return cls(row_a, row_b, fixed_a, fixed_b, t_max, row_max, fixed_max)
+
+
+def _through(t1: float, v1: float, t2: float, v2: float) -> tuple[float, float]:
+    """(a, b) with a*t + b*t**2 through both points."""
+    det = t1 * t2 * t2 - t2 * t1 * t1
+    b = (t1 * v2 - t2 * v1) / det
+    a = (v1 - b * t1 * t1) / t1
+    return a, b
+
+
+def _part(a: float, b: float, t_max: float, at_max: float, tokens: float) -> float:
+    value = a * tokens + b * tokens * tokens
+    if tokens > t_max and t_max > 0:
+        value = max(value, at_max * tokens / t_max)
+    return value
+
+
+@dataclass
+class CostModel:
+    """Per layer: bytes plain and checkpointed, and recompute seconds, at any (rows, tokens)."""
+
+    plain: list[Curve]
+    checkpointed: list[Curve]
+    outside: Curve
+    seconds: list[float]  # measured at `timed_at`
+    timed_at: tuple[int, int]
+    kinds: list[str]
+    measured_at: list[tuple[int, int]] = field(default_factory=list)
+    tokens_measured: bool = True
+
+    def layers(self, rows: int, tokens: int) -> tuple[list[LayerCost], float]:
+        """Every layer's cost and what runs outside the layers, at this shape."""
+        out = []
+        for i, (plain, ckpt) in enumerate(zip(self.plain, self.checkpointed)):
+            p = plain(rows, tokens)
+            c = min(ckpt(rows, tokens), p)
+            at = plain(*self.timed_at)
+            scale = p / at if at > 0 else (rows * tokens) / (self.timed_at[0] * self.timed_at[1])
+            kind = self.kinds[i] if i < len(self.kinds) else ""
+            out.append(LayerCost(f"{i}", p, c, self.seconds[i] * scale, kind))
+        return out, self.outside(rows, tokens)
+
+    def plain_total(self, rows: int, tokens: int) -> float:
+        layers, outside = self.layers(rows, tokens)
+        return outside + sum(layer.plain for layer in layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plain": [asdict(c) for c in self.plain],
+            "checkpointed": [asdict(c) for c in self.checkpointed],
+            "outside": asdict(self.outside),
+            "seconds": self.seconds,
+            "timed_at": list(self.timed_at),
+            "kinds": self.kinds,
+            "measured_at": [list(s) for s in self.measured_at],
+            "tokens_measured": self.tokens_measured,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        return cls(
+            plain=[Curve(**c) for c in data["plain"]],
+            checkpointed=[Curve(**c) for c in data["checkpointed"]],
+            outside=Curve(**data["outside"]),
+            seconds=[float(s) for s in data["seconds"]],
+            timed_at=(int(data["timed_at"][0]), int(data["timed_at"][1])),
+            kinds=list(data["kinds"]),
+            measured_at=[(int(r), int(t)) for r, t in data.get("measured_at", [])],
+            tokens_measured=bool(data.get("tokens_measured", True)),
+        )

@@ -1,0 +1,236 @@
+"""A budgeted model's plan at every training step, chosen by the step's batch shape.
+
+Once the first step measured the model (gcpatch/step/planner.py), a forward pre-hook on the module
+that step entered looks at each training forward's (rows, tokens) and applies the plan for it
+before the forward runs, through the layers' own `gradient_checkpointing` flags: a shape seen
+before takes its cached plan (a dictionary lookup), a new one is solved from the cost model
+(gcpatch/step/cost_model.py; no measuring forward). A fraction is a fraction of that step's own
+activations without checkpointing; a size holds for every step; `auto` is what the device has left
+at that step. Forwards without gradients (eval, generate), inside torch.compile's tracing or asking
+for a KV cache plan nothing, and a model whose checkpointing the user disabled is left alone.
+
+Said: the first plan (the planner's line), then one line for a shape whose plan differs from it the
+first time, for each new largest shape, and for the first shape the budget cannot be met at (full
+checkpointing, the floor), at most MAX_LINES in all; every new shape's plan goes to the record
+(the first MAX_RECORDED of them) and to DEBUG.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+from gcpatch import budget as budget_mod
+from gcpatch import context, headline, record, settings
+from gcpatch.ranks import rank
+from gcpatch.step import solver
+from gcpatch.step.batch import shape
+from gcpatch.step.cost_model import CostModel
+from gcpatch.step.training import training_forward
+
+log = logging.getLogger("gcpatch")
+MAX_CACHED = 256  # shapes whose plan is kept (the oldest goes first)
+MAX_LINES = 8  # INFO/WARNING lines about later shapes, per model
+MAX_RECORDED = 64  # shapes whose plan goes to the record, per model
+
+
+class ShapePlans:
+    """One model's plans by batch shape, and the pre-hook that applies them."""
+
+    def __init__(
+        self,
+        model: Any,
+        layers: list[Any],
+        costs: CostModel,
+        chosen: budget_mod.Budget,
+        name: str,
+    ) -> None:
+        self.model = weakref.ref(model)
+        self.layers = layers
+        self.costs, self.chosen, self.name = costs, chosen, name
+        self.plans: OrderedDict[tuple, solver.Plan] = OrderedDict()
+        self.first: list[bool] | None = None
+        self.last: solver.Plan | None = None  # the plan applied at the latest training forward
+        self.largest = 0
+        self.lines = 0
+        self.recorded = 0
+        self.said_changed = self.said_floor = False
+        self.handle: Any = None
+
+    def plan_for(self, rows: int, tokens: int, available: float | None = None) -> solver.Plan:
+        """The plan for this shape (and, under `auto`, this much room): cached, or solved."""
+        key = (rows, tokens, _bucket(available, self.chosen))
+        found = self.plans.get(key)
+        if found is not None:
+            self.plans.move_to_end(key)
+            return found
+        layers, outside = self.costs.layers(rows, tokens)
+        plain = outside + sum(layer.plain for layer in layers)
+        found = solver.solve(layers, outside, self.chosen.limit(plain, available))
+        self.plans[key] = found
+        if len(self.plans) > MAX_CACHED:
+            self.plans.popitem(last=False)
+        self._said(rows, tokens, found)
+        return found
+
+    def apply(self, plan: solver.Plan) -> None:
+        for layer, flag in zip(self.layers, plan.checkpoint):
+            if layer.gradient_checkpointing is not flag:
+                layer.gradient_checkpointing = flag
+        self.last = plan
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """The pre-hook: this forward's plan, before it runs. Fails open (the flags as they are)."""
+        try:
+            self._before(args, kwargs)
+        except Exception as exc:  # noqa: BLE001 (fail open: this step runs with the flags it has)
+            log.error(
+                "gcpatch: rank %d budget %s: no plan for this step (%s: %s); the flags stay as"
+                " they are",
+                rank(),
+                self.name,
+                type(exc).__name__,
+                exc,
+            )
+
+    def _before(self, args: tuple, kwargs: dict) -> None:
+        if not training_forward(kwargs):
+            return
+        model = self.model()
+        known = context.known(model) if model is not None else None
+        if known is None or not known.enabled:
+            return  # gone, or its checkpointing disabled by the user: nothing to plan
+        torch = sys.modules["torch"]
+        found = shape(torch, args, kwargs)
+        if found is None:
+            return
+        available = available_bytes(model, self.chosen) if self.chosen.auto else None
+        self.apply(self.plan_for(*found, available))
+
+    def _said(self, rows: int, tokens: int, plan: solver.Plan) -> None:
+        size = budget_mod.size
+        what = (
+            f"{rows} x {tokens} tokens: {plan.count} of {len(plan.checkpoint)} layers checkpointed;"
+            f" activations {size(plan.total)} of {size(plan.plain_total)} without checkpointing"
+            f" (budget {size(plan.limit)})"
+        )
+        if self.first is None:  # the planner's own first line says it
+            self.first, self.largest = list(plan.checkpoint), rows * tokens
+            return
+        why = ""
+        if plan.below_floor and not self.said_floor:
+            self.said_floor = True
+            why = (
+                f"the budget is below the floor of full checkpointing here, {size(plan.floor)}:"
+                " every layer checkpointed at"
+            )
+        elif rows * tokens > self.largest:
+            why = "a new largest shape,"
+        elif plan.checkpoint != self.first and not self.said_changed:
+            why = "a shape with another plan,"
+        self.largest = max(self.largest, rows * tokens)
+        self.said_changed = self.said_changed or plan.checkpoint != self.first
+        line = f"gcpatch: rank {rank()} budget {self.name}: {why or 'shape'} {what}"
+        level = logging.DEBUG
+        if why and (self.lines < MAX_LINES or plan.below_floor):
+            self.lines += 1
+            level = logging.WARNING if plan.below_floor else logging.INFO
+        log.log(level, "%s", headline.wrap(line))
+        if self.recorded < MAX_RECORDED:
+            self.recorded += 1
+            record.event(
+                {
+                    "stage": "budget-shape",
+                    "model": self.name,
+                    "line": line,
+                    "shape": [rows, tokens],
+                    "flags": plan.checkpoint,
+                    "plan": plan_dict(plan),
+                },
+                settings.read().record_dir,
+            )
+
+    def install(self, module: Any) -> None:
+        self.handle = module.register_forward_pre_hook(self, with_kwargs=True)
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def __deepcopy__(self, memo: dict) -> ShapePlans:
+        """A deep copy of the model (a reference or EMA copy) gets plans of its own, bound to the
+        copy's layers, from the same cost model."""
+        model = self.model()
+        twin = ShapePlans(
+            memo.get(id(model), model),
+            [memo.get(id(layer), layer) for layer in self.layers],
+            self.costs,
+            self.chosen,
+            self.name,
+        )
+        twin.first, twin.largest = self.first, self.largest
+        return twin
+
+    def __reduce__(self) -> Any:
+        return _unpickled, (self.model(), self.layers, self.costs, self.chosen, self.name)
+
+
+def _unpickled(model: Any, layers: list, costs: CostModel, chosen: Any, name: str) -> ShapePlans:
+    return ShapePlans(model, layers, costs, chosen, name)
+
+
+def plan_dict(found: solver.Plan) -> dict:
+    return {
+        "checkpointed": found.count,
+        "layers": len(found.checkpoint),
+        "limit_bytes": found.limit,
+        "plain_bytes": found.plain_total,
+        "floor_bytes": found.floor,
+        "planned_bytes": found.total,
+        "recompute_s": found.recompute_s,
+        "full_recompute_s": found.full_recompute_s,
+        "every_n_layers": found.every_n_layers(),
+        "below_floor": found.below_floor,
+        "exact": found.exact,
+    }
+
+
+def _bucket(available: float | None, chosen: budget_mod.Budget) -> int | None:
+    """`auto`'s room, rounded down to 1/256 of the capacity, so a plan is reused while what the
+    job holds moves a little; never rounded up."""
+    if available is None:
+        return None
+    step = max(1.0, (chosen.capacity or available or 1.0) / 256)
+    return int(available // step)
+
+
+def available_bytes(model: Any, chosen: budget_mod.Budget) -> float | None:
+    """What `auto` leaves for activations at this step: the device's capacity (or the one stated)
+    minus what the job holds on it now (weights, gradients, optimizer state, anything else) minus
+    the margin. On a CPU without a stated capacity: None (nothing to measure)."""
+    torch = sys.modules["torch"]
+    device = next((p.device for p in model.parameters()), None)
+    if device is not None and device.type == "cuda":
+        capacity = chosen.capacity or torch.cuda.get_device_properties(device).total_memory
+        in_use = float(torch.cuda.memory_allocated(device))
+    elif chosen.capacity is not None:
+        capacity, in_use = chosen.capacity, float(_model_bytes(model))
+    else:
+        return None
+    return capacity - in_use - budget_mod.AUTO_MARGIN * capacity
+
+
+def _model_bytes(model: Any) -> int:
+    """The storages of the model's parameters and their gradients (what a CPU job is known to
+    hold; its optimizer's state is not visible from the model)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        for t in (p, p.grad):
+            if t is not None:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

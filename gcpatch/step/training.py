@@ -1,0 +1,22 @@
+"""Which forwards are a training step's: the ones the first step's work and the budget's per-shape
+plans act on."""
+
+from __future__ import annotations
+
+import sys
+
+from gcpatch.facts import passes_kv_cache
+from gcpatch.step import invisible
+
+
+def training_forward(kwargs: dict) -> bool:
+    """A forward that builds a graph for a training step: grad on, not gcpatch's own pass, not
+    traced by torch.compile (deciding is eager work; it waits for an eager forward), not asking
+    for a KV cache."""
+    torch = sys.modules["torch"]
+    if invisible.active() or not torch.is_grad_enabled():
+        return False
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and compiler.is_compiling():
+        return False
+    return kwargs.get("use_cache") is not True and not passes_kv_cache(kwargs)

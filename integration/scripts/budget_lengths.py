@@ -1,0 +1,155 @@
+"""A training loop whose batches change length from step to step (32, 64, 128, 256 tokens, then
+shorter again), as dynamic padding, length grouping or RL rollouts make them: an 8-layer tiny Llama
+(hidden 32, batch 2, attention dropout on), run once without checkpointing and then with
+`gradient_checkpointing_enable()` under a memory budget set in the environment before the model is
+built. Ordinary user code: nothing here imports gcpatch.
+
+Each step's forward is measured by the script itself (a dispatch mode of its own that notes every
+storage an operator allocates and which are still alive after the forward), its gradients compared
+with the run without checkpointing (same weights, same batch, same RNG seed; no optimizer step, so
+every step sees the same weights), and its layers' checkpointing flags read.
+
+usage: budget_lengths.py --budget size|fraction|auto [--attn eager|sdpa] [--family llama|qwen2]
+                         [--between eval,generate]
+  size:      an absolute budget, half of what the 128-token step holds without checkpointing
+  fraction:  GCPATCH_MEMORY_BUDGET=0.5
+  auto:      auto with a stated capacity (auto:<bytes>B): the model's weights plus the same room
+             as `size`, plus the margin
+  --between: an eval forward and/or a generate call of other lengths after the third step
+prints one line: RESULT {json}
+"""
+
+import argparse
+import os
+import warnings
+
+import _common as c
+import torch
+from budget_train import HeldBytes
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+BATCH, LAYERS = 2, 8
+LENGTHS = (32, 64, 128, 256, 128, 64, 32)
+AUTO_MARGIN = 0.1  # gcpatch's documented margin under auto (docs/BUDGET.md)
+
+
+def build(args):
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=c.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.1,
+        tie_word_embeddings=False,
+        use_cache=False,
+        max_position_embeddings=512,
+    )
+    if args.family == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    config._attn_implementation = args.attn
+    return cls(config)
+
+
+def layers_of(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def batch(tokens: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(tokens)
+    return torch.randint(0, c.VOCAB, (BATCH, tokens), generator=gen)
+
+
+def train(args, checkpointing: bool) -> list[dict]:
+    model = build(args)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    steps = []
+    for index, tokens in enumerate(LENGTHS):
+        ids = batch(tokens)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + index)
+        with HeldBytes() as held:
+            loss = model(input_ids=ids, labels=ids).loss
+        held_bytes = held.alive()
+        loss.backward()
+        steps.append(
+            {
+                "tokens": tokens,
+                "held": held_bytes,
+                "flags": [
+                    bool(getattr(m, "gradient_checkpointing", False)) for m in layers_of(model)
+                ],
+                "grads": c.trainable_grads(model),
+            }
+        )
+        if index == 2 and args.between:
+            steps[-1]["between_flags"] = between(model, args.between.split(","))
+    return steps, model
+
+
+def between(model, what: list[str]) -> list:
+    """An eval forward and a generate call, of lengths no training step has: the flags after."""
+    model.eval()
+    with torch.no_grad():
+        if "eval" in what:
+            ids = batch(96)
+            model(input_ids=ids, labels=ids)
+        if "generate" in what:
+            model.generate(batch(48), max_new_tokens=3, do_sample=False, use_cache=True)
+    model.train()
+    return [bool(getattr(m, "gradient_checkpointing", False)) for m in layers_of(model)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", choices=("size", "fraction", "auto"), default="size")
+    parser.add_argument("--attn", choices=("eager", "sdpa"), default="eager")
+    parser.add_argument("--family", choices=("llama", "qwen2"), default="llama")
+    parser.add_argument("--between", default="")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
+    reference, _ = train(args, checkpointing=False)
+    room = reference[LENGTHS.index(128)]["held"] // 2
+    if args.budget == "fraction":
+        os.environ["GCPATCH_MEMORY_BUDGET"] = "0.5"
+    elif args.budget == "size":
+        os.environ["GCPATCH_MEMORY_BUDGET"] = f"{room}B"
+    else:
+        probe = build(args)
+        weights = sum(p.numel() * p.element_size() for p in probe.parameters())
+        # what the job holds at a step's forward (the weights: gradients are set to None before
+        # each), the room for activations, and the margin on top
+        capacity = int((weights + room) / (1 - AUTO_MARGIN))
+        os.environ["GCPATCH_MEMORY_BUDGET"] = f"auto:{capacity}B"
+    steps, _ = train(args, checkpointing=True)
+    budget = os.environ.pop("GCPATCH_MEMORY_BUDGET")
+    out = []
+    for step, ref in zip(steps, reference):
+        compared = c.compare_grads(step["grads"], ref["grads"], atol=0.0)
+        out.append(
+            {
+                "tokens": step["tokens"],
+                "held": step["held"],
+                "plain_held": ref["held"],
+                "flags": step["flags"],
+                "wrong": compared["wrong"],
+                "grad_none": compared["grad_none"],
+                **({"between_flags": step["between_flags"]} if "between_flags" in step else {}),
+            }
+        )
+    c.emit({"scenario": "budget_lengths", "budget": budget, "room": room, "steps": out})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+../../_gcpatch_startup.py
