@@ -32,12 +32,7 @@ def line(entry: dict[str, Any]) -> str:
         # one word: "DDP(find_unused_parameters=True) (R4)" -> DDP, "wrapped by
         # PeftModelForCausalLM" -> the wrapper
         source = (str(entry.get("source") or "call").split("(", 1)[0].split() or ["call"])[-1]
-        model = (
-            str(entry.get("model", "?")).rstrip("/").rsplit("/", 1)[-1]
-        )  # a config names the model's path
-        if isinstance(entry.get("instance"), int) and entry["instance"] > 1:
-            model += f" #{entry['instance']}"  # the second model of its class, and on
-        head = f"gcpatch: {model}" + (f" ({source})" if source != "call" else "") + ": "
+        head = f"gcpatch: {_model(entry)}" + (f" ({source})" if source != "call" else "") + ": "
     parts = _parts(entry)
     if not parts:
         return shorten(head + "left as asked")
@@ -59,6 +54,15 @@ def line(entry: dict[str, Any]) -> str:
             return shorten(text, LIMIT - len(" +9 more")) + f" +{len(parts) - index} more"
         text += "; " + part
     return shorten(text)
+
+
+def _model(entry: dict[str, Any]) -> str:
+    """The model's name in a line: a config names the model's path, of which the last part is
+    kept; the second model of its class and on are numbered."""
+    model = str(entry.get("model", "?")).rstrip("/").rsplit("/", 1)[-1]
+    if isinstance(entry.get("instance"), int) and entry["instance"] > 1:
+        model += f" #{entry['instance']}"
+    return model
 
 
 def _parts(entry: dict[str, Any], room: int = 60) -> list[str]:
@@ -228,7 +232,7 @@ def warnings(entry: dict[str, Any]) -> list[str]:
     record and at DEBUG."""
     decision = entry.get("decision") or {}
     winners = decision.get("winners") or {}
-    who = entry.get("model") or _site(entry.get("site", "?"))
+    who = _model(entry) if entry.get("model") else _site(entry.get("site", "?"))
     out: list[str] = []
     overruled = False
     for text in decision.get("warnings") or []:

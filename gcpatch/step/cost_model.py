@@ -12,7 +12,9 @@ could not be truncated (one token count measured) every part is taken as proport
 record says so.
 
 A layer's recompute seconds, timed once at the measured shape, scale with its plain bytes (the work
-its forward does, attention's quadratic part included). Pure arithmetic, no torch.
+its forward does, attention's quadratic part included), and so do the seconds of checkpointing it
+while keeping its matmuls' outputs (gcpatch/step/selective.py), whose bytes held are its outputs
+plus what its matmuls produce, fitted like the rest. Pure arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class CostModel:
     kinds: list[str]
     measured_at: list[tuple[int, int]] = field(default_factory=list)
     tokens_measured: bool = True
+    # what a layer's matmuls produce (kept by the selective option) and that option's seconds per
+    # step at `timed_at` (None: not available on that layer): gcpatch/step/selective.py
+    matmul: list[Curve] | None = None
+    kept_seconds: list[float | None] | None = None
 
     def layers(self, rows: int, tokens: int) -> tuple[list[LayerCost], float]:
         """Every layer's cost and what runs outside the layers, at this shape."""
@@ -98,7 +104,11 @@ class CostModel:
             at = plain(*self.timed_at)
             scale = p / at if at > 0 else (rows * tokens) / (self.timed_at[0] * self.timed_at[1])
             kind = self.kinds[i] if i < len(self.kinds) else ""
-            out.append(LayerCost(f"{i}", p, c, self.seconds[i] * scale, kind))
+            kept, kept_s = None, 0.0
+            measured = self.kept_seconds[i] if self.kept_seconds else None
+            if self.matmul is not None and measured is not None:
+                kept, kept_s = min(p, c + self.matmul[i](rows, tokens)), measured * scale
+            out.append(LayerCost(f"{i}", p, c, self.seconds[i] * scale, kind, kept, kept_s))
         return out, self.outside(rows, tokens)
 
     def plain_total(self, rows: int, tokens: int) -> float:
@@ -115,6 +125,8 @@ class CostModel:
             "kinds": self.kinds,
             "measured_at": [list(s) for s in self.measured_at],
             "tokens_measured": self.tokens_measured,
+            "matmul": [asdict(c) for c in self.matmul] if self.matmul is not None else None,
+            "kept_seconds": self.kept_seconds,
         }
 
     @classmethod
@@ -128,4 +140,6 @@ class CostModel:
             kinds=list(data["kinds"]),
             measured_at=[(int(r), int(t)) for r, t in data.get("measured_at", [])],
             tokens_measured=bool(data.get("tokens_measured", True)),
+            matmul=[Curve(**c) for c in data["matmul"]] if data.get("matmul") else None,
+            kept_seconds=data.get("kept_seconds"),
         )

@@ -36,6 +36,11 @@ class Held:
             int, tuple[Any, int, int]
         ] = {}  # storage key -> (weak ref, bytes, layer index)
         self.outputs: dict[int, set[int]] = {}  # layer index -> storage keys of its outputs
+        # layer index -> bytes its matrix multiplies and attention kernels produced (alive or not):
+        # what a selective checkpoint that keeps them (gcpatch/step/selective.py) holds besides
+        # the layer's outputs
+        self.matmul: dict[int, int] = {}
+        self._matmuls = matmul_ops(torch)
         self._stack = [OUTSIDE]
         self._handles: list[Any] = []
         held = self
@@ -45,7 +50,7 @@ class Held:
                 self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
             ) -> Any:
                 out = func(*args, **(kwargs or {}))
-                held._note(args, kwargs, out)
+                held._note(args, kwargs, out, func in held._matmuls)
                 return out
 
         self._mode = _Mode()
@@ -110,7 +115,7 @@ class Held:
         except Exception:  # noqa: BLE001 (tensor subclasses without a storage: not counted)
             return None
 
-    def _note(self, args: Any, kwargs: Any, out: Any) -> None:
+    def _note(self, args: Any, kwargs: Any, out: Any, matmul: bool = False) -> None:
         torch = self._torch
         inputs = {self._key(t) for t in tensors(torch, (args, kwargs))}
         for tensor in tensors(torch, out):
@@ -122,9 +127,12 @@ class Held:
                 continue
             try:
                 storage = tensor.untyped_storage()
-                self.created[key] = (self._weak(storage), int(storage.nbytes()), self._stack[-1])
+                nbytes, owner = int(storage.nbytes()), self._stack[-1]
+                self.created[key] = (self._weak(storage), nbytes, owner)
             except Exception:  # noqa: BLE001 (not counted, like a storage-less subclass)
                 continue
+            if matmul:
+                self.matmul[owner] = self.matmul.get(owner, 0) + nbytes
 
 
 @contextlib.contextmanager
@@ -134,3 +142,25 @@ def held_bytes() -> Iterator[Held]:
     held = Held()
     with held:
         yield held
+
+
+def matmul_ops(torch: Any) -> frozenset:
+    """The matrix multiplies and fused attention kernels as the dispatcher sees them (their
+    `.default` overloads: a policy that names the packet, `aten.mm`, matches nothing,
+    pytorch/pytorch#176065): the work a selective checkpoint keeps instead of recomputing."""
+    aten = torch.ops.aten
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    return frozenset(
+        getattr(aten, name).default
+        for name in names
+        if hasattr(getattr(aten, name, None), "default")
+    )

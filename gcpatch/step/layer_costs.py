@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from gcpatch.step import selective
 from gcpatch.step.batch import tensors
 from gcpatch.step.cost_model import CostModel, Curve
 from gcpatch.step.held import OUTSIDE, Held
@@ -62,6 +63,7 @@ def measure(
     n = len(layers)
     plain: list[dict] = [{} for _ in range(n)]
     ckpt: list[dict] = [{} for _ in range(n)]
+    matmul: list[dict] = [{} for _ in range(n)]
     outside: dict = {}
     for tokens in lengths:
         for rows in sizes:
@@ -79,14 +81,25 @@ def measure(
             for i in range(n):
                 plain[i][(rows, tokens)] = float(alive.get(i, 0))
                 ckpt[i][(rows, tokens)] = float(held.outputs_alive(i))
+                matmul[i][(rows, tokens)] = float(held.matmul.get(i, 0))
             outside[(rows, tokens)] = float(alive.get(OUTSIDE, 0))
             del graph, held, forward
     timed_at = (sizes[-1], lengths[-1])
-    seconds = _time_layers(layers, run(*timed_at), _sync(model))
+    sync = _sync(model)
+    seconds = _time_layers(layers, run(*timed_at), sync)
     seconds = _averaged(seconds, kinds, [p[timed_at] for p in plain], [c[timed_at] for c in ckpt])
+    # the selective option's cost, as a share of checkpointing whole, at the timed shape (the
+    # attention kernel a shape gets, and its share of a layer, change with rows and tokens)
+    share = selective.ratio(model, layers, run(*timed_at))
+    offered = [selective.available(m) for m in layers]
+    kept_seconds = [
+        s * share if share is not None and ok else None for s, ok in zip(seconds, offered)
+    ]
     costs = CostModel(
         plain=[Curve.fit(p) for p in plain],
         checkpointed=[Curve.fit(c) for c in ckpt],
+        matmul=[Curve.fit(m) for m in matmul],
+        kept_seconds=kept_seconds,
         outside=Curve.fit(outside),
         seconds=seconds,
         timed_at=timed_at,
@@ -123,10 +136,10 @@ def _averaged(
 
 
 def _time_layers(
-    layers: list[Any], forward: Callable[[], Any], sync: Callable[[], None]
+    layers: list[Any], forward: Callable[[], Any], sync: Callable[[], None], grad: bool = False
 ) -> list[float]:
     """Each layer's forward seconds, from a pass without gradients (a recompute runs the same
-    kernels)."""
+    kernels), or with them (`grad`: what a forward that builds its graph costs)."""
     import torch
 
     spent = [0.0] * len(layers)
@@ -152,8 +165,9 @@ def _time_layers(
         for index, layer in enumerate(layers):
             handles.append(layer.register_forward_pre_hook(enter(index)))
             handles.append(layer.register_forward_hook(leave(index), always_call=True))
-        with torch.no_grad():
-            forward()
+        with torch.set_grad_enabled(grad):
+            output = forward()
+        del output  # a graph built with `grad` goes with it
     finally:
         for handle in handles:
             handle.remove()

@@ -287,6 +287,8 @@ def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
         else ""
     )
     full = plan["full_recompute_s"] or 1.0
+    kept = plan.get("kept_matmuls")
+    every += f" ({kept} keeping their matmuls)" if kept else ""
     return (
         f"memory budget {chosen.text} ({size(plan['limit_bytes'])}): {plan['checkpointed']} of"
         f" {plan['layers']} layers checkpointed{every}{source}; activations"

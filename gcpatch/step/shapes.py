@@ -26,7 +26,7 @@ from typing import Any
 from gcpatch import budget as budget_mod
 from gcpatch import context, headline, record, settings
 from gcpatch.ranks import rank
-from gcpatch.step import solver
+from gcpatch.step import selective, solver
 from gcpatch.step.batch import shape
 from gcpatch.step.cost_model import CostModel
 from gcpatch.step.training import training_forward
@@ -59,6 +59,18 @@ class ShapePlans:
         self.recorded = 0
         self.said_changed = self.said_floor = False
         self.handle: Any = None
+        # each layer's own checkpoint function, and the same keeping its matmuls (None: not offered)
+        self.funcs = [selective.own(vars(m).get("_gradient_checkpointing_func")) for m in layers]
+        self.policies = [
+            selective.KeepMatmuls() if selective.offered(f) else None for f in self.funcs
+        ]
+        self.kept_funcs = [
+            selective.keeping(f, p) if p is not None else None
+            for f, p in zip(self.funcs, self.policies)
+        ]
+        self.misfired: set[int] = set()
+        self.checked = False
+        self.ran = False  # a training forward ran with a plan this hook applied
 
     def plan_for(self, rows: int, tokens: int, available: float | None = None) -> solver.Plan:
         """The plan for this shape (and, under `auto`, this much room): cached, or solved."""
@@ -77,10 +89,43 @@ class ShapePlans:
         return found
 
     def apply(self, plan: solver.Plan) -> None:
-        for layer, flag in zip(self.layers, plan.checkpoint):
+        for i, (layer, mode) in enumerate(zip(self.layers, plan.modes)):
+            flag = mode != solver.PLAIN
             if layer.gradient_checkpointing is not flag:
                 layer.gradient_checkpointing = flag
+            keep = mode == solver.KEEP_MATMULS and i not in self.misfired
+            func = self.kept_funcs[i] if keep else self.funcs[i]
+            if func is not None and vars(layer).get("_gradient_checkpointing_func") is not func:
+                layer._gradient_checkpointing_func = func
         self.last = plan
+
+    def fired(self) -> None:
+        """After the first forward that ran a plan keeping matmuls: a layer planned that way whose
+        policy kept nothing did not do what the plan assumed; it checkpoints whole from now on,
+        said once."""
+        if self.checked or not self.ran or self.last is None or not self.last.kept_matmuls:
+            return
+        self.checked = True
+        idle = [
+            i
+            for i, mode in enumerate(self.last.modes)
+            if mode == solver.KEEP_MATMULS
+            and self.policies[i] is not None
+            and self.policies[i].kept == 0
+        ]
+        if not idle:
+            return
+        self.misfired.update(idle)
+        self.plans.clear()  # solved again without the option where it misfired
+        for i in idle:
+            self.costs.kept_seconds[i] = None  # type: ignore[index]
+        log.warning(
+            "gcpatch: rank %d budget %s: keeping the matmul outputs saved nothing in layer(s) %s;"
+            " they checkpoint whole from the next step",
+            rank(),
+            self.name,
+            ", ".join(map(str, idle)),
+        )
 
     def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
         """The pre-hook: this forward's plan, before it runs. Fails open (the flags as they are)."""
@@ -103,17 +148,21 @@ class ShapePlans:
         known = context.known(model) if model is not None else None
         if known is None or not known.enabled:
             return  # gone, or its checkpointing disabled by the user: nothing to plan
+        self.fired()
         torch = sys.modules["torch"]
         found = shape(torch, args, kwargs)
         if found is None:
             return
         available = available_bytes(model, self.chosen) if self.chosen.auto else None
         self.apply(self.plan_for(*found, available))
+        self.ran = True
 
     def _said(self, rows: int, tokens: int, plan: solver.Plan) -> None:
         size = budget_mod.size
+        kept = f" ({plan.kept_matmuls} keeping their matmuls)" if plan.kept_matmuls else ""
         what = (
-            f"{rows} x {tokens} tokens: {plan.count} of {len(plan.checkpoint)} layers checkpointed;"
+            f"{rows} x {tokens} tokens: {plan.count} of {len(plan.checkpoint)} layers"
+            f" checkpointed{kept};"
             f" activations {size(plan.total)} of {size(plan.plain_total)} without checkpointing"
             f" (budget {size(plan.limit)})"
         )
@@ -185,6 +234,8 @@ def _unpickled(model: Any, layers: list, costs: CostModel, chosen: Any, name: st
 
 def plan_dict(found: solver.Plan) -> dict:
     return {
+        "modes": found.modes,
+        "kept_matmuls": found.kept_matmuls,
         "checkpointed": found.count,
         "layers": len(found.checkpoint),
         "limit_bytes": found.limit,

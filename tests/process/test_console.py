@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from testkit.harness import messages
 
 PRELUDE = """
 import io, json, logging, os, sys
@@ -37,7 +38,7 @@ def run(body: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def lines(text: str, word: str = "gcpatch: ") -> list[str]:
-    return [line for line in text.splitlines() if word in line]
+    return [line for line in messages(text) if word in line]
 
 
 def test_no_host_logging_prints_once_on_stderr():

@@ -5,7 +5,7 @@ trains with the framework's own behaviour and one log line; strict mode names th
 from __future__ import annotations
 
 import pytest
-from testkit.harness import result_of, run_python
+from testkit.harness import messages, result_of, run_python
 from testkit.subproc import requires_transformers
 
 pytestmark = requires_transformers
@@ -68,7 +68,7 @@ def plugin_path(tmp_path):
 
 
 def _lines_naming(stderr: str, word: str) -> list[str]:
-    return [line for line in stderr.splitlines() if word in line]
+    return [line for line in messages(stderr) if word in line]
 
 
 def test_plugin_raising_while_voting_is_dropped_and_the_built_in_rules_still_decide(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from packaging.version import Version
-from testkit.harness import result_of, run_python
+from testkit.harness import messages, result_of, run_python
 from testkit.subproc import requires_transformers
 
 pytestmark = requires_transformers
@@ -57,5 +57,5 @@ def test_a_rebound_patch_point_is_wrapped_again_and_reported_once(tmp_path):
         "ours_now": ["_GcpatchWrapper", True, True],
         "second": "peft.prepare_model_for_kbit_training",
     }, proc.stderr
-    reports = [line for line in proc.stderr.splitlines() if "was rebound by another tool" in line]
+    reports = [line for line in messages(proc.stderr) if "was rebound by another tool" in line]
     assert len(reports) == 1 and "<patched peft source>" in reports[0], proc.stderr

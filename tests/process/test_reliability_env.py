@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from testkit.faultkit import install_fault_plugin, results, run, tally
+from testkit.harness import messages
 from testkit.subproc import requires_transformers
 
 TRAIN = """
@@ -62,7 +63,7 @@ def test_every_bad_value_gets_one_line_and_the_job_trains_with_the_rules_applied
     for name, value, words in BAD + [
         ("use_reentrant", "'False'", "use_reentrant='False' is a string, which torch reads as True")
     ]:
-        count = sum(1 for line in proc.stderr.splitlines() if words in line)
+        count = sum(1 for line in messages(proc.stderr) if words in line)
         tally("bad values", f"{name}={value}", survived, count == 1, lost)
         if count != 1:
             problems.append((name, count))
@@ -81,7 +82,7 @@ def test_a_bad_gcpatch_switch_says_it_stays_off(tmp_path, value):
         tmp_path,
         GCPATCH=value,
     )
-    lines = [line for line in proc.stderr.splitlines() if "GCPATCH=" in line]
+    lines = [line for line in messages(proc.stderr) if "GCPATCH=" in line]
     clear = (
         len(lines) == 1 and "stays off, as with GCPATCH=0" in lines[0] and "default" not in lines[0]
     )
@@ -103,7 +104,7 @@ def test_a_dist_info_next_to_the_script_is_not_loaded_unless_asked(tmp_path):
     )  # faulty_plugin-0.1.dist-info in the working directory, as a stray folder
     plain = run(LIST_PLUGINS, tmp_path, GCPATCH="1")
     opted = run(LIST_PLUGINS, tmp_path, GCPATCH="1", GCPATCH_LOCAL_PLUGINS="1")
-    named = [line for line in plain.stderr.splitlines() if "faulty" in line]
+    named = [line for line in messages(plain.stderr) if "faulty" in line]
     clear = len(named) == 1 and "GCPATCH_LOCAL_PLUGINS=1" in named[0]
     tally(
         "plugin loading",
@@ -137,7 +138,7 @@ def _hostile_run(tmp_path, name, value):
     where = tmp_path / f"{name}-{HOSTILE.index(value)}"
     where.mkdir()
     proc = run(TRAIN, where, GCPATCH="1", **{name: value})
-    said = [line for line in proc.stderr.splitlines() if line.startswith(f"gcpatch: {name}=")]
+    said = [line for line in messages(proc.stderr) if line.startswith(f"gcpatch: {name}=")]
     return proc, said
 
 
@@ -174,6 +175,6 @@ def test_a_hostile_gcpatch_switch_leaves_gcpatch_off_with_one_line(tmp_path):
             tmp_path,
             GCPATCH=value,
         )
-        said = [line for line in proc.stderr.splitlines() if line.startswith("gcpatch: GCPATCH=")]
+        said = [line for line in messages(proc.stderr) if line.startswith("gcpatch: GCPATCH=")]
         assert proc.returncode == 0 and results(proc) == [{"active": False}], (value, proc.stderr)
         assert len(said) == 1 and "stays off" in said[0], (value, said)

@@ -12,6 +12,7 @@ import json
 
 import pytest
 from testkit.faultkit import FAULTS, install_fault_plugin, results, run, tally
+from testkit.harness import messages
 from testkit.subproc import requires_transformers
 
 pytestmark = requires_transformers
@@ -114,7 +115,7 @@ print("RESULT " + json.dumps({"wrong": wrong, "first_enable_s": first, "second_e
 
 def _step(site, tmp_path, **env):
     proc = run(STEP, tmp_path, GCPATCH="1", PYTHONPATH=site, **env)
-    lines = [line for line in proc.stderr.splitlines() if "faulty" in line]
+    lines = [line for line in messages(proc.stderr) if "faulty" in line]
     return proc, lines
 
 

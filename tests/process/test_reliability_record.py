@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from testkit.faultkit import FAULTS, run, tally
-from testkit.harness import child_env, parse_results
+from testkit.harness import child_env, messages, parse_results
 from testkit.subproc import requires_transformers
 
 from gcpatch import cli, explain, record
@@ -327,7 +327,7 @@ def test_another_users_link_is_not_followed_through_dotdot(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and json.loads(out.split("RESULT ", 1)[1])["uid"] in (VICTIM_UID, 0)
     assert sorted(p.name for p in theirs.iterdir()) == ["inner"]  # nothing written in their tree
-    said = [line for line in err.splitlines() if "cannot write the record" in line]
+    said = [line for line in messages(err) if "cannot write the record" in line]
     assert len(said) == 1 and f"{blink} is a symbolic link owned by another user" in said[0], err
 
 
@@ -349,7 +349,7 @@ def test_a_directory_swapped_for_a_link_between_two_decisions_is_not_followed(tm
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
     assert list(theirs.iterdir()) == []  # the second decision was not written through the link
-    said = [line for line in err.splitlines() if "cannot write the record" in line]
+    said = [line for line in messages(err) if "cannot write the record" in line]
     assert len(said) == 1 and "owned by another user" in said[0], err
 
 

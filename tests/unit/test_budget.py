@@ -178,3 +178,64 @@ def test_a_front_too_large_falls_back_to_cheapest_per_byte_and_says_so(monkeypat
     layers = [LayerCost(str(i), float(rng.randint(50, 500)), 0.0, rng.random()) for i in range(12)]
     plan = solve(layers, 0.0, 0.5 * sum(l.plain for l in layers))
     assert not plan.exact and plan.total <= plan.limit
+
+
+def _exhaustive_choices(layers, outside, limit):
+    """The least recompute over all 3^n ways to run the layers (plain, keeping matmuls, whole)."""
+    best = None
+    for modes in itertools.product(range(3), repeat=len(layers)):
+        held, cost, ok = outside, 0.0, True
+        for layer, mode in zip(layers, modes):
+            if mode == 1 and layer.kept is None:
+                ok = False
+                break
+            held += (layer.plain, layer.kept, layer.checkpointed)[mode] if mode != 1 else layer.kept
+            cost += (0.0, layer.kept_seconds, layer.seconds)[mode]
+        if ok and held <= limit and (best is None or (cost, held) < best):
+            best = (cost, held)
+    return best
+
+
+choice_st = st.builds(
+    lambda plain, ckpt, kept, seconds, kept_share: LayerCost(
+        "l",
+        float(plain),
+        float(min(ckpt, plain)),
+        seconds / 10,
+        "",
+        None if kept is None else float(min(ckpt, plain) + kept),
+        seconds / 10 * kept_share,
+    ),
+    st.integers(1, 60),
+    st.integers(0, 20),
+    st.one_of(st.none(), st.integers(0, 40)),
+    st.integers(0, 30),
+    st.floats(0.0, 1.2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(choice_st, min_size=1, max_size=6), st.integers(0, 50), st.floats(0.0, 1.1))
+def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, outside, fraction):
+    """A layer may also be checkpointed keeping its matmuls (fewer bytes shed, less recompute):
+    a multiple-choice knapsack, solved exactly."""
+    plain = outside + sum(l.plain for l in layers)
+    limit = fraction * plain
+    plan = solve(layers, float(outside), limit)
+    best = _exhaustive_choices(layers, outside, limit)
+    if plan.below_floor:
+        assert plan.modes == ["full" if l.shed > 0 else "plain" for l in layers]
+        return
+    assert best is not None and plan.exact
+    assert plan.total <= limit + 1e-9
+    assert plan.recompute_s == pytest.approx(best[0], abs=1e-9)
+    assert plan.every_n_layers() is None or plan.kept_matmuls == 0
+
+
+def test_keeping_matmuls_is_chosen_where_it_sheds_enough_for_less():
+    """Half the bytes to shed: two layers kept-matmuls (each sheds 30 of 50 for 1 s) beat one
+    layer whole (sheds 45 for 5 s) plus anything."""
+    layer = LayerCost("l", 50.0, 5.0, 5.0, "block", kept=20.0, kept_seconds=1.0)
+    plan = solve([layer] * 4, 0.0, 140.0)
+    assert plan.modes.count("keep-matmuls") == 2 and plan.count == 2
+    assert plan.recompute_s == pytest.approx(2.0) and plan.total <= 140.0

@@ -115,3 +115,26 @@ def test_a_short_reason_is_cut_at_a_word():
         and short.endswith(" ...")
         and R1_REASON.replace(": ", " ").startswith(short.removesuffix(" ..."))
     ), short
+
+
+def test_a_warning_about_a_config_names_the_model_by_its_last_path_part():
+    """A config names the model by its path (Axolotl's `base_model`): the warning names its last
+    part, as the decision's line does, so the rule and the overruled ask stay on the line."""
+    entry = _entry(
+        "/tmp/" + "deep/" * 20 + "tiny", R1_REASON, {"use_reentrant": False}, True, "config"
+    )
+    entry["instance"] = None
+    user = {
+        "knob": "use_reentrant",
+        "rule": "USER",
+        "strength": "user",
+        "value": True,
+        "reason": "",
+    }
+    entry["decision"]["overruled"] = [user]
+    entry["decision"]["warnings"] = ["R1 overrules use_reentrant=True; the user asked for it"]
+    (warning,) = headline.warnings(entry)
+    assert warning == (
+        "gcpatch: tiny: R1 overrules your use_reentrant=True (GCPATCH_MODE=warn keeps it)"
+    ), warning
+    assert headline.line(entry).startswith("gcpatch: tiny (PeftModelForCausalLM): ")

@@ -19,6 +19,7 @@ STEP = {
     "step.held",
     "step.solver",
     "step.cost_model",
+    "step.selective",
     "step.layer_costs",
     "step.training",
     "step.shapes",

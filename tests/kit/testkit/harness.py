@@ -185,3 +185,15 @@ def run_python(
         child_env(quiet=True, **env),
         timeout,
     )
+
+
+def messages(stderr: str) -> list[str]:
+    """stderr's lines with each gcpatch message whole: gcpatch wraps a long message at words
+    into continuation lines indented by four spaces (gcpatch/headline.py `wrap`), joined here."""
+    out: list[str] = []
+    for line in stderr.splitlines():
+        if line.startswith("    ") and out and out[-1].startswith("gcpatch"):
+            out[-1] += " " + line[4:]
+        else:
+            out.append(line)
+    return out
