@@ -92,6 +92,19 @@ def of(model: Any) -> ModelContext:
     return context
 
 
+def copied(original: Any, twin: Any) -> None:
+    """A deep copy of a model gcpatch decided for (a reference or EMA copy) is known as its
+    original was at the copy: enabled or not, with its ask and its replay, its own from then on
+    (its own disable, its own number)."""
+    source = _models.get(original)
+    if source is None or twin in _models:
+        return
+    context = of(twin)
+    context.ask, context.ask_from, context.replay = source.ask, source.ask_from, source.replay
+    context.trainer, context.wrapped = source.trainer, dict(source.wrapped)
+    context.evidence = list(source.evidence)
+
+
 def instance(model: Any) -> int:
     """The model's number among the models of its class gcpatch met (1: the first, and a model
     gcpatch never decided for)."""

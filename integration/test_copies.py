@@ -18,7 +18,10 @@ VERIFY_WAITS = Spec(
 BUDGET_WAITS = Spec(
     SCRIPT, ("--cases", "deepcopy_while_the_budget_waits"), env=(("GCPATCH_MEMORY_BUDGET", "0.5"),)
 )
-RUNS = [Spec(SCRIPT), VERIFY_WAITS, BUDGET_WAITS]
+AFTER_PLAN = Spec(
+    SCRIPT, ("--cases", "deepcopy_after_the_plan"), env=(("GCPATCH_MEMORY_BUDGET", "1MiB"),)
+)
+RUNS = [Spec(SCRIPT), VERIFY_WAITS, BUDGET_WAITS, AFTER_PLAN]
 CASES = (
     "hf_deepcopy_after_a_step",
     "hf_deepcopy_in_eval_mode_before_first_step",
@@ -112,3 +115,21 @@ def test_a_copy_made_while_the_budget_waits_plans_for_itself(script_runs):
     assert got["original_layers_checkpointing"] == got["copy_layers_checkpointing"], got
     assert got["original_layers_checkpointing"] == sum(plans[0]["flags"]), (got, plans)
     assert "no layer has checkpointing on" not in run.stderr
+
+
+def test_a_copy_made_after_the_plan_plans_every_step_for_itself(script_runs):
+    """A copy of a planned model (an EMA or reference copy made mid-training) trains on lengths of
+    its own: each of its steps within the budget (+5%) or fully checkpointed, exact, and the
+    original's flags untouched by the copy's plans. Before, the copy kept the plan of the moment
+    it was copied: 2.5 times the budget at 256 tokens."""
+    run, got = _armed_run(script_runs, AFTER_PLAN)
+    assert "error" not in got, got
+    budget = 1024**2 * 1.05
+    for step in got["steps"]:
+        assert step["wrong"] == 0, step
+        assert step["held"] <= budget or all(step["flags"]), step
+        if step["model"] == "copy":
+            assert step["original_flags"] == got["original_flags_at_copy"], step
+    copy_flags = [s["flags"] for s in got["steps"] if s["model"] == "copy"]
+    assert copy_flags[0] != copy_flags[-1], copy_flags  # 32 and 256 tokens: not one plan
+    assert any("LlamaForCausalLM #2" in line for line in run.messages()), run.stderr[-2000:]

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from gcpatch import budget as budget_mod
 from gcpatch import context, lifetime
-from gcpatch.step import invisible, planner, verify
+from gcpatch.step import invisible, planner, shapes, verify
 from gcpatch.step.training import training_forward
 
 log = logging.getLogger("gcpatch")
@@ -200,7 +200,7 @@ def arm(
     if chosen is None and not verifying:
         return
     try:
-        if chosen is not None and planner.restore(model):
+        if chosen is not None and shapes.restore(model):
             chosen = None  # planned already: the plan stands, only verify may still wait
         current = _armed.get(model)
         if current is not None and current.phase != DONE:

@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import sys
-import weakref
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -34,7 +33,7 @@ from gcpatch import budget as budget_mod
 from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.facts import checkpoint_layers, checkpoint_site
 from gcpatch.ranks import default_store, rank
-from gcpatch.step import invisible, layer_costs
+from gcpatch.step import invisible, layer_costs, shapes
 from gcpatch.step.batch import first_rows, first_tokens
 from gcpatch.step.batch import shape as batch_shape
 from gcpatch.step.cost_model import CostModel
@@ -48,28 +47,14 @@ TOLERANCE = (
 DEFAULT_TIMEOUT_S = 1800.0  # as long as DDP's own collectives wait by default
 _ABSENT = object()  # a layer without its own `gradient_checkpointing` (the class default applies)
 
-# Each planned model's plans by shape (a re-enable, e.g. the Trainer's `train()`, gets the last one
-# back at once), and how many plans each model class handed over so far (the same on every rank).
-_plans: weakref.WeakKeyDictionary[Any, ShapePlans] = weakref.WeakKeyDictionary()
+# How many plans each model class handed over so far (the same on every rank).
 _shared: dict[str, int] = {}
 
 
 @lifetime.activation
 def reset() -> None:
-    """Forget every plan (a re-activation starts as a fresh process)."""
-    _plans.clear()
+    """Forget which runs shared rank 0's cost model (a re-activation starts as a fresh process)."""
     _shared.clear()
-
-
-def restore(model: Any) -> bool:
-    """A model planned already, enabled again (the framework's enable has just switched every layer
-    on): its plan back at once. Whether it had one."""
-    plans = _plans.get(model)
-    if plans is None:
-        return False
-    if plans.last is not None:
-        plans.apply(plans.last)
-    return True
 
 
 def plan(model: Any, module: Any, args: tuple, kwargs: dict, chosen: budget_mod.Budget) -> dict:
@@ -109,11 +94,7 @@ def _first_plan(
     available = available_bytes(model, chosen) if chosen.auto else None
     first = plans.plan_for(rows, tokens, available)
     plans.apply(first)
-    old = _plans.get(model)
-    if old is not None:
-        old.remove()
     plans.install(module)
-    _plans[model] = plans
     return {**outcome, "flags": first.checkpoint, "plan": plan_dict(first), "shape": [rows, tokens]}
 
 
@@ -329,7 +310,7 @@ class Confirmation:
 
     def __init__(self, name: str, outcome: dict, model: Any = None) -> None:
         self.name, self.outcome = name, outcome
-        self.plans = _plans.get(model) if model is not None else None
+        self.plans = shapes.of(model) if model is not None else None
         self.held = Held()
 
     def __enter__(self) -> Confirmation:

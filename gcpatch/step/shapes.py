@@ -17,6 +17,7 @@ checkpointing, the floor), at most MAX_LINES in all; every new shape's plan goes
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import weakref
@@ -24,7 +25,7 @@ from collections import OrderedDict
 from typing import Any
 
 from gcpatch import budget as budget_mod
-from gcpatch import context, headline, record, settings
+from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.ranks import rank
 from gcpatch.step import selective, solver
 from gcpatch.step.batch import shape
@@ -35,6 +36,31 @@ log = logging.getLogger("gcpatch")
 MAX_CACHED = 256  # shapes whose plan is kept (the oldest goes first)
 MAX_LINES = 8  # INFO/WARNING lines about later shapes, per model
 MAX_RECORDED = 64  # shapes whose plan goes to the record, per model
+
+
+# model -> its plans (the module the hook sits on may be the base model inside a wrapper)
+_plans: weakref.WeakKeyDictionary[Any, ShapePlans] = weakref.WeakKeyDictionary()
+
+
+@lifetime.activation
+def reset() -> None:
+    """Forget every plan (a re-activation starts as a fresh process)."""
+    _plans.clear()
+
+
+def of(model: Any) -> ShapePlans | None:
+    return _plans.get(model)
+
+
+def restore(model: Any) -> bool:
+    """A model planned already, enabled again (the framework's enable has just switched every layer
+    on): its plan back at once. Whether it had one."""
+    plans = _plans.get(model)
+    if plans is None:
+        return False
+    if plans.last is not None:
+        plans.apply(plans.last)
+    return True
 
 
 class ShapePlans:
@@ -203,7 +229,14 @@ class ShapePlans:
             )
 
     def install(self, module: Any) -> None:
+        """The pre-hook on `module` (the model, or the base model its forward enters); these plans
+        replace any the model had."""
+        model = self.model()
+        old = _plans.get(model)
+        if old is not None:
+            old.remove()
         self.handle = module.register_forward_pre_hook(self, with_kwargs=True)
+        _plans[model] = self
 
     def remove(self) -> None:
         if self.handle is not None:
@@ -212,20 +245,31 @@ class ShapePlans:
 
     def __deepcopy__(self, memo: dict) -> ShapePlans:
         """A deep copy of the model (a reference or EMA copy) gets plans of its own, bound to the
-        copy's layers, from the same cost model."""
+        copy's layers, from the same cost model; the copy is known as its original was (enabled,
+        so planned at every step, until its own disable). A copy of a part that does not hold the
+        model and its layers gets inert plans: it never sets another model's flags."""
         model = self.model()
-        twin = ShapePlans(
-            memo.get(id(model), model),
-            [memo.get(id(layer), layer) for layer in self.layers],
-            self.costs,
-            self.chosen,
-            self.name,
-        )
-        twin.first, twin.largest = self.first, self.largest
+        twin_model = memo.get(id(model))
+        if model is None or twin_model is None:
+            twin = ShapePlans(model, [], self.costs, self.chosen, self.name)
+            twin.model = _nothing
+            return twin
+        # the hooks are copied before the submodules (a module's __dict__ order): the layers'
+        # copies made here are the ones the copy's submodules then take from the memo
+        layers = [copy.deepcopy(layer, memo) for layer in self.layers]
+        context.copied(model, twin_model)
+        costs = CostModel.from_dict(self.costs.to_dict())
+        twin = ShapePlans(twin_model, layers, costs, self.chosen, context.name(twin_model))
+        twin.first, twin.largest, twin.misfired = self.first, self.largest, set(self.misfired)
+        _plans[twin_model] = twin
         return twin
 
     def __reduce__(self) -> Any:
         return _unpickled, (self.model(), self.layers, self.costs, self.chosen, self.name)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _unpickled(model: Any, layers: list, costs: CostModel, chosen: Any, name: str) -> ShapePlans:

@@ -289,9 +289,67 @@ def _copied_while_armed(steps: int) -> dict:
     return out
 
 
+def _copied_after_the_plan() -> dict:
+    """An 8-layer Llama planned under the budget (its first step measured it), then deep-copied
+    (an EMA or reference copy made mid-training); the copy trains on batches of 32, 128 and 256
+    tokens, the original after it on 64. Per step: what the forward held (budget_train's
+    dispatch mode) against the same model without checkpointing, and the gradients; the
+    original's layer flags before and after the copy's steps."""
+    from budget_train import HeldBytes, llama
+
+    def held_step(model, tokens: int, seed: int) -> tuple[int, dict]:
+        ids = torch.randint(
+            0, c.VOCAB, (2, tokens), generator=torch.Generator().manual_seed(tokens)
+        )
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with HeldBytes() as held:
+            loss = model(input_ids=ids, labels=ids).loss
+        alive = held.alive()
+        loss.backward()
+        return alive, c.trainable_grads(model)
+
+    model = llama().train()
+    model.gradient_checkpointing_enable()
+    held_step(model, 64, 1)  # the first step: measured, planned
+    twin = copy.deepcopy(model)
+    before = [bool(layer.gradient_checkpointing) for layer in model.model.layers]
+    steps = []
+    for name, m, tokens in (
+        ("copy", twin, 32),
+        ("copy", twin, 128),
+        ("copy", twin, 256),
+        ("original", model, 64),
+    ):
+        plain = llama().train()
+        plain.load_state_dict(m.state_dict())
+        held, got = held_step(m, tokens, 7)
+        plain_held, want = held_step(plain, tokens, 7)
+        steps.append(
+            {
+                "model": name,
+                "tokens": tokens,
+                "held": held,
+                "plain_held": plain_held,
+                "wrong": c.compare_grads(got, want, atol=0.0)["wrong"],
+                "flags": [bool(layer.gradient_checkpointing) for layer in m.model.layers],
+            }
+        )
+        if name == "copy":
+            steps[-1]["original_flags"] = [
+                bool(layer.gradient_checkpointing) for layer in model.model.layers
+            ]
+    return {
+        "steps": steps,
+        "original_flags_at_copy": before,
+        "wrong": sum(s["wrong"] for s in steps),
+    }
+
+
 ARMED = {
     "deepcopy_while_verify_waits": lambda: _copied_while_armed(2),
     "deepcopy_while_the_budget_waits": lambda: _copied_while_armed(3),
+    "deepcopy_after_the_plan": _copied_after_the_plan,
 }
 
 

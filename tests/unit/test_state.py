@@ -54,7 +54,7 @@ ACTIVATION = {
     "reentrant_grads._said",
     "settings._reported",
     "step.first_step._armed",
-    "step.planner._plans",
+    "step.shapes._plans",
     "step.planner._shared",
 }
 # Tables that are never written after import.
