@@ -13,7 +13,8 @@ from _run import V5, Spec
 
 SCRIPT = "compiled_step.py"
 FSDP2 = "compiled_fsdp2.py"
-RUNS = [Spec(SCRIPT), Spec(FSDP2, launcher="torchrun2")]
+FIRST_STEP_WORK = (("GCPATCH_MEMORY_BUDGET", "0.5"), ("GCPATCH_VERIFY", "1"))
+RUNS = [Spec(SCRIPT), Spec(SCRIPT, env=FIRST_STEP_WORK), Spec(FSDP2, launcher="torchrun2")]
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +63,19 @@ def test_a_compiled_fsdp2_step_is_exact_and_breaks_no_more_than_plain(script_run
             got["break_reasons"],
             ref["break_reasons"],
         )
+
+
+def test_a_budget_and_verify_waiting_under_compile_say_so_and_break_nothing(runs, script_runs):
+    """The budget's measuring and verify are eager work at the first eager training forward; a job
+    whose forwards all run compiled has none. Before, nothing was said: the budget the user set was
+    silently never applied. Now one line per model, from dynamo's trace (a constant-result call:
+    no graph break), and the compiled step is as without them."""
+    run = script_runs.get(SCRIPT, gcpatch=True, env=dict(FIRST_STEP_WORK))
+    assert_installed_gcpatch_ran(run)
+    plain = runs[1]["llama"]
+    got = run.result["llama"]
+    assert got["wrong"] == 0 and got["graph_breaks"] <= plain["graph_breaks"], (got, plain)
+    assert got["recompiles"] == 0, got
+    said = [m for m in run.messages() if "not applied to its compiled forward" in m]
+    assert len(said) == 1, run.stderr[-3000:]  # the Llama (the blocks call checkpoint directly)
+    assert said[0].startswith("gcpatch: memory budget 0.5 and verify for LlamaForCausalLM "), said

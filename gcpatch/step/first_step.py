@@ -21,7 +21,7 @@ from typing import Any, Callable
 from gcpatch import budget as budget_mod
 from gcpatch import context, lifetime
 from gcpatch.step import invisible, planner, shapes, verify
-from gcpatch.step.training import training_forward
+from gcpatch.step.training import compiled_training_forward, training_forward
 
 log = logging.getLogger("gcpatch")
 
@@ -49,6 +49,7 @@ class FirstStep:
         self.confirmation: planner.Confirmation | None = None
         self.before, self.after = _Before(self), _After(self)
         self.handles: list[Any] = []
+        self.said_compiled = False
 
     def register(self, modules: list[Any]) -> None:
         for module in modules:
@@ -59,6 +60,9 @@ class FirstStep:
         self.modules = [weakref.ref(m) for m in modules]
 
     def started(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.phase == WAITING and not self.said_compiled and compiled_training_forward(kwargs):
+            self.said_compiled = _compiled(self)  # run by dynamo as it traces: no graph break
+            return
         if not training_forward(kwargs) or (
             self.entered is not None and module is not self.entered
         ):
@@ -134,6 +138,38 @@ class FirstStep:
     def __reduce__(self) -> Any:
         model = self.model() if self.model is not None else None
         return FirstStep, (model, self.budget, self.verifying, self.correct)
+
+
+def _compiled(step: FirstStep) -> bool:
+    """A training forward of a model whose first step's work waits is being compiled: that work
+    (the budget's measuring and plan, verify) is eager and waits for an eager training forward,
+    which a job whose forwards all run compiled never has; said once per model. Marked as
+    dynamo's `assume_constant_result` (below): dynamo calls it while it traces, and keeps its
+    result as a constant, so the compiled graph has no break and never calls it again."""
+    model = step.model() if step.model is not None else None
+    if model is None:
+        return True
+    what = " and ".join(
+        part
+        for part in (
+            f"memory budget {step.budget.text}" if step.budget is not None else "",
+            "verify" if step.verifying else "",
+        )
+        if part
+    )
+    log.warning(
+        "gcpatch: %s for %s not applied to its compiled forward: gcpatch does that work at an eager"
+        " training forward, and this one runs compiled by torch.compile; checkpointing stays as"
+        " enabled (torch.compile's own budget: torch._functorch.config.activation_memory_budget)",
+        what,
+        context.name(model),
+    )
+    return True
+
+
+# torch._dynamo.assume_constant_result sets exactly this (torch/_dynamo/decorators.py); set here so
+# that gcpatch's import never imports dynamo
+_compiled._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class _Before:

@@ -20,3 +20,12 @@ def training_forward(kwargs: dict) -> bool:
     if compiler is not None and compiler.is_compiling():
         return False
     return kwargs.get("use_cache") is not True and not passes_kv_cache(kwargs)
+
+
+def compiled_training_forward(kwargs: dict) -> bool:
+    """A training forward being traced by torch.compile: the first step's work cannot run there."""
+    torch = sys.modules["torch"]
+    compiler = getattr(torch, "compiler", None)
+    if compiler is None or not compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    return kwargs.get("use_cache") is not True and not passes_kv_cache(kwargs)

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]  # tests/kit/testkit/<this file>: the repository
 FILES = [
     "tests/process/test_reliability_plugins.py",
     "tests/process/test_reliability_record.py",
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
             if r["area"] == "ranks"
         ),
         "",
-        "Where: `tests/test_reliability_*.py`; the misbehaving plugin is `tests/kit/testkit/faults/plugin.py`.",
+        "Where: `tests/process/test_reliability_*.py` and `tests/unit/test_reliability_resolve.py`; the misbehaving plugin is `tests/kit/testkit/faults/plugin.py`.",
         "",
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
