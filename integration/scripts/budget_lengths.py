@@ -10,12 +10,14 @@ with the run without checkpointing (same weights, same batch, same RNG seed; no 
 every step sees the same weights), and its layers' checkpointing flags read.
 
 usage: budget_lengths.py --budget size|fraction|auto [--attn eager|sdpa] [--family llama|qwen2]
-                         [--between eval,generate]
+                         [--between eval,generate,disable]
   size:      an absolute budget, half of what the 128-token step holds without checkpointing
   fraction:  GCPATCH_MEMORY_BUDGET=0.5
   auto:      auto with a stated capacity (auto:<bytes>B): the model's weights plus the same room
              as `size`, plus the margin
-  --between: an eval forward and/or a generate call of other lengths after the third step
+  --mode eval: the model trained while left in eval mode (both runs; dropout off)
+  --between: an eval forward and/or a generate call of other lengths after the third step;
+             disable: checkpointing disabled for a training step of another length, then enabled
 prints one line: RESULT {json}
 """
 
@@ -72,7 +74,7 @@ def train(args, checkpointing: bool) -> list[dict]:
     model = build(args)
     if checkpointing:
         model.gradient_checkpointing_enable()
-    model.train()
+    model.train(args.mode == "train")  # eval: a model left in eval mode (dropout off), R5's case
     steps = []
     for index, tokens in enumerate(LENGTHS):
         ids = batch(tokens)
@@ -93,8 +95,27 @@ def train(args, checkpointing: bool) -> list[dict]:
             }
         )
         if index == 2 and args.between:
-            steps[-1]["between_flags"] = between(model, args.between.split(","))
+            what = args.between.split(",")
+            if "disable" in what and checkpointing:
+                steps[-1]["disabled_flags"] = disabled_step(model)
+            steps[-1]["between_flags"] = between(model, what)
     return steps, model
+
+
+def disabled_step(model) -> list:
+    """Checkpointing disabled, a training step of a length no other step has (96 tokens), enabled
+    again: the flags during that step (all off: the budget leaves a disabled model alone); the
+    steps after it run the plans again."""
+    model.gradient_checkpointing_disable()
+    ids = batch(96)
+    model(input_ids=ids, labels=ids).loss.backward()
+    flags = [bool(getattr(m, "gradient_checkpointing", False)) for m in layers_of(model)]
+    model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_enable()
+    return flags
+
+
+ARGS = argparse.Namespace(mode="train")
 
 
 def between(model, what: list[str]) -> list:
@@ -106,7 +127,7 @@ def between(model, what: list[str]) -> list:
             model(input_ids=ids, labels=ids)
         if "generate" in what:
             model.generate(batch(48), max_new_tokens=3, do_sample=False, use_cache=True)
-    model.train()
+    model.train(ARGS.mode == "train")
     return [bool(getattr(m, "gradient_checkpointing", False)) for m in layers_of(model)]
 
 
@@ -115,8 +136,10 @@ def main() -> None:
     parser.add_argument("--budget", choices=("size", "fraction", "auto"), default="size")
     parser.add_argument("--attn", choices=("eager", "sdpa"), default="eager")
     parser.add_argument("--family", choices=("llama", "qwen2"), default="llama")
+    parser.add_argument("--mode", choices=("train", "eval"), default="train")
     parser.add_argument("--between", default="")
-    args = parser.parse_args()
+    global ARGS
+    ARGS = args = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
     reference, _ = train(args, checkpointing=False)
@@ -146,6 +169,7 @@ def main() -> None:
                 "wrong": compared["wrong"],
                 "grad_none": compared["grad_none"],
                 **({"between_flags": step["between_flags"]} if "between_flags" in step else {}),
+                **({"disabled_flags": step["disabled_flags"]} if "disabled_flags" in step else {}),
             }
         )
     c.emit({"scenario": "budget_lengths", "budget": budget, "room": room, "steps": out})
