@@ -23,6 +23,24 @@ def child_env(gcpatch: bool, **extra: str) -> dict[str, str]:
     return harness.child_env(quiet=True, GCPATCH="1" if gcpatch else "0", **extra)
 
 
+def run_worker(
+    python: str, code: str, args: list[str], env: dict[str, str], timeout: float = 1200
+) -> dict[str, Any]:
+    """One fresh interpreter of `python` running `code` (a worker printing `RESULT {json}`) with
+    `args`, from the benchmarks folder; its RESULT, or an error with the end of its stderr."""
+    proc = subprocess.run(
+        [python, "-c", code, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).resolve().parent,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{code.strip()[:40]!r} {args} failed:\n{proc.stderr[-3000:]}")
+    return harness.result_of(proc)
+
+
 def release(python: str) -> str:
     return subprocess.run(
         [python, "-c", "import transformers; print(transformers.__version__)"],

@@ -113,7 +113,7 @@ def true_costs(m, ids) -> tuple[list, float]:
 
 
 def run(budget: str, cfg: dict) -> dict:
-    from gcpatch.step import planner, solver
+    from gcpatch.step import shapes, solver
     from gcpatch.step.held import held_bytes
 
     os.environ["GCPATCH_MEMORY_BUDGET"] = budget
@@ -135,7 +135,7 @@ def run(budget: str, cfg: dict) -> dict:
                 held = h.total()
             loss.backward()
             m.zero_grad(set_to_none=True)
-            plans = planner._plans.get(m, plans)
+            plans = shapes.of(m) or plans
             if index == 0:
                 continue  # the first step ran fully checkpointed while it was measured
             flags = [layer.gradient_checkpointing for layer in m.model.layers]
@@ -222,16 +222,57 @@ def write(rows: list[dict], raw: dict, out: Path, meta: str, cfg: dict) -> None:
         "checkpointed layers at each step's own shape (CPU; one run, so seconds carry timing noise: "
         "the oracle's and gcpatch's plans are judged by the same figures).",
         "",
+        "Plot: `budget_shapes.png` (each step's held bytes against its budget, and its recompute"
+        " against the oracle's, by token count; `--plot-only` redraws it from the JSON).",
+        "",
     ]
     (out / "BUDGET_SHAPES.md").write_text("\n".join(lines))
     (out / "budget_shapes.json").write_text(json.dumps(raw, indent=1))
+
+
+def plot(raw: dict, path: Path) -> str:
+    """Per budget: each step's held bytes against its limit (1.0 = the budget) by its token count,
+    and the recompute of gcpatch's plan against the per-step oracle's."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped: matplotlib is not installed"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for result, style in zip(raw["runs"], ("o", "s")):
+        steps = result["steps"]
+        tokens = [s["tokens"] for s in steps]
+        label = f"budget {result['budget']}"
+        axes[0].plot(tokens, [s["held"] / s["limit"] for s in steps], style, label=label, ms=4)
+        axes[1].plot(
+            tokens,
+            [s["recompute_s"] / s["oracle_s"] if s["oracle_s"] else 1.0 for s in steps],
+            style,
+            label=label,
+            ms=4,
+        )
+    axes[0].axhline(1 + TOLERANCE, color="grey", lw=0.8, label="budget +5%")
+    axes[0].set(xscale="log", xlabel="tokens in the step", ylabel="held / budget")
+    axes[1].set(xscale="log", xlabel="tokens in the step", ylabel="recompute / per-step oracle")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return "written"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
     args = parser.parse_args()
+    if args.plot_only:
+        raw = json.loads((args.out / "budget_shapes.json").read_text())
+        print(plot(raw, args.out / "budget_shapes.png"))
+        return 0
     cfg = QUICK if args.quick else FULL
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -264,7 +305,7 @@ def main() -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     write(rows, raw, args.out, meta, cfg)
-    print(json.dumps(rows, indent=1))
+    print(plot(raw, args.out / "budget_shapes.png"), json.dumps(rows, indent=1))
     return 0
 
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 from pathlib import Path
 
-from _releases import child_env, harness, main
+from _releases import child_env, main, run_worker
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "IMPORT_COST.json"
@@ -53,17 +52,7 @@ TAIL = "\nimport json; print('RESULT ' + json.dumps(d))"
 
 
 def once(python: str, code: str, gcpatch: bool) -> dict:
-    proc = subprocess.run(
-        [python, "-c", code + TAIL],
-        env=child_env(gcpatch, GCPATCH_LOG="off"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=HERE,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{code[:40]!r} failed:\n{proc.stderr[-2000:]}")
-    return harness.result_of(proc)
+    return run_worker(python, code + TAIL, [], child_env(gcpatch, GCPATCH_LOG="off"), timeout=300)
 
 
 def measure(python: str, args: argparse.Namespace) -> dict:
