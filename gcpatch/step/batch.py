@@ -64,41 +64,46 @@ def first_tokens(torch: Any, value: Any, full: int, tokens: int, name: str = "")
     """Every tensor of a (sliced) batch cut to its first `tokens` of `full` tokens: each dimension
     after the rows whose length is `full` (a mask of rows x 1 x tokens x tokens in both), a
     1-dimensional cache_position too, and inputs_embeds in its token dimension only."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 1:
-            return value[:tokens] if name in NOT_BATCHED and value.shape[0] == full else value
-        dims = [1] if name == "inputs_embeds" else range(1, value.dim())
-        index = [slice(None)] * value.dim()
+
+    def cut(tensor: Any, key: str) -> Any:
+        if tensor.dim() == 1:
+            return tensor[:tokens] if key in NOT_BATCHED and tensor.shape[0] == full else tensor
+        dims = [1] if key == "inputs_embeds" else range(1, tensor.dim())
+        index = [slice(None)] * tensor.dim()
         for dim in dims:
-            if value.shape[dim] == full:
+            if tensor.shape[dim] == full:
                 index[dim] = slice(0, tokens)
-        part = value[tuple(index)].detach().clone()
-        return (
-            part.requires_grad_(True) if value.requires_grad and part.is_floating_point() else part
-        )
-    if isinstance(value, dict):
-        return {k: first_tokens(torch, v, full, tokens, k) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(first_tokens(torch, v, full, tokens, name) for v in value)
-    if isinstance(value, list):
-        return [first_tokens(torch, v, full, tokens, name) for v in value]
-    return value
+        return _leaf(tensor, tensor[tuple(index)])
+
+    return _each(torch, value, cut, name)
 
 
 def first_rows(torch: Any, value: Any, batch: int, rows: int, name: str = "") -> Any:
     """The first `rows` rows of every tensor whose first dimension is the batch, as new leaves
     (the user's graph upstream of the model is never reached), keeping requires_grad."""
+
+    def cut(tensor: Any, key: str) -> Any:
+        if key in NOT_BATCHED or tensor.dim() == 0 or tensor.shape[0] != batch:
+            return tensor
+        return _leaf(tensor, tensor[:rows])
+
+    return _each(torch, value, cut, name)
+
+
+def _leaf(tensor: Any, part: Any) -> Any:
+    """`part` of `tensor` as a new leaf, requiring grad where the tensor did."""
+    part = part.detach().clone()
+    return part.requires_grad_(True) if tensor.requires_grad and part.is_floating_point() else part
+
+
+def _each(torch: Any, value: Any, cut: Any, name: str) -> Any:
+    """`cut(tensor, name)` for each tensor in nested dicts (under its key), tuples and lists."""
     if isinstance(value, torch.Tensor):
-        if name in NOT_BATCHED or value.dim() == 0 or value.shape[0] != batch:
-            return value
-        part = value[:rows].detach().clone()
-        return (
-            part.requires_grad_(True) if value.requires_grad and part.is_floating_point() else part
-        )
+        return cut(value, name)
     if isinstance(value, dict):
-        return {k: first_rows(torch, v, batch, rows, k) for k, v in value.items()}
+        return {k: _each(torch, v, cut, k) for k, v in value.items()}
     if isinstance(value, tuple):
-        return tuple(first_rows(torch, v, batch, rows, name) for v in value)
+        return tuple(_each(torch, v, cut, name) for v in value)
     if isinstance(value, list):
-        return [first_rows(torch, v, batch, rows, name) for v in value]
+        return [_each(torch, v, cut, name) for v in value]
     return value

@@ -27,28 +27,17 @@ import warnings
 
 import _common as c
 import torch
-from budget_train import HeldBytes
+from budget_train import CONFIG, HeldBytes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-BATCH, LAYERS = 2, 8
+BATCH = 2
 LENGTHS = (32, 64, 128, 256, 128, 64, 32)
 AUTO_MARGIN = 0.1  # gcpatch's documented margin under auto (docs/BUDGET.md)
 
 
 def build(args):
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=c.VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_dropout=0.1,
-        tie_word_embeddings=False,
-        use_cache=False,
-        max_position_embeddings=512,
-    )
+    common = {**CONFIG, "max_position_embeddings": 512}
     if args.family == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -168,8 +157,7 @@ def main() -> None:
                 "flags": step["flags"],
                 "wrong": compared["wrong"],
                 "grad_none": compared["grad_none"],
-                **({"between_flags": step["between_flags"]} if "between_flags" in step else {}),
-                **({"disabled_flags": step["disabled_flags"]} if "disabled_flags" in step else {}),
+                **{k: step[k] for k in ("between_flags", "disabled_flags") if k in step},
             }
         )
     c.emit({"scenario": "budget_lengths", "budget": budget, "room": room, "steps": out})

@@ -64,23 +64,25 @@ def _flat(value):
         yield value
 
 
+# the tiny model's config (budget_lengths.py builds its families from it)
+CONFIG = dict(
+    vocab_size=c.VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_dropout=0.1,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
+
+
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=c.VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attention_dropout=0.1,
-            tie_word_embeddings=False,
-            use_cache=False,
-        )
-    )
+    return LlamaForCausalLM(LlamaConfig(**CONFIG))
 
 
 class Recomputes:

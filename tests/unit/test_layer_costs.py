@@ -16,7 +16,18 @@ WIDTH, BATCH = 8, 3
 F32 = 4
 
 
-class Block(torch.nn.Module):
+class Switchable(torch.nn.Module):
+    """A layer whose body runs checkpointed (non-reentrant) when its `checkpointed` flag is set."""
+
+    checkpointed = False
+
+    def forward(self, x):
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
+        return self._body(x)
+
+
+class Block(Switchable):
     """relu(W2 relu(W1 x)), W1 widening 4x. ReLU saves its output and the next Linear its input
     (the same storage), so a plain block holds its hidden relu (4*WIDTH floats a row) and its
     output (WIDTH); the Linear outputs die. Checkpointed, it holds its output only."""
@@ -25,12 +36,6 @@ class Block(torch.nn.Module):
         super().__init__()
         self.up = torch.nn.Linear(WIDTH, 4 * WIDTH)
         self.down = torch.nn.Linear(4 * WIDTH, WIDTH)
-        self.checkpointed = False
-
-    def forward(self, x):
-        if self.checkpointed:
-            return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
-        return self._body(x)
 
     def _body(self, x):
         return torch.relu(self.down(torch.relu(self.up(x))))
@@ -75,19 +80,13 @@ def test_a_plan_holds_what_it_predicts():
     assert all(p.grad is not None for p in model.parameters())
 
 
-class Attention(torch.nn.Module):
+class Attention(Switchable):
     """Eager attention in miniature: softmax(x x^T) x over the tokens of each row. Plain it holds
     its scores' softmax (tokens x tokens a row) and its output; checkpointed, its output only."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(WIDTH, WIDTH)
-        self.checkpointed = False
-
-    def forward(self, x):
-        if self.checkpointed:
-            return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
-        return self._body(x)
 
     def _body(self, x):
         h = self.proj(x)
