@@ -5,6 +5,7 @@ interpreters."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -157,7 +158,8 @@ def test_torchrun_ranks_see_gcpatch_active(tmp_path):
     # import starts gcpatch's engine where the start-up hook armed it, and only there
     script.write_text(
         "import os, sys, torch\n"
-        "print(f\"RANK{os.environ['RANK']}:{'gcpatch.engine' in sys.modules}\")\n"
+        # one write a line (print writes the newline apart: two ranks' lines ran together once)
+        "sys.stdout.write(f\"RANK{os.environ['RANK']}:{'gcpatch.engine' in sys.modules}\\n\")\n"
     )
     seen = {}
     for switch in ("1", "0"):
@@ -170,7 +172,7 @@ def test_torchrun_ranks_see_gcpatch_active(tmp_path):
             timeout=180,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
-        seen[switch] = sorted(line for line in proc.stdout.split() if line.startswith("RANK"))
+        seen[switch] = sorted(re.findall(r"RANK\d+:(?:True|False)", proc.stdout))
     assert seen == {"1": ["RANK0:True", "RANK1:True"], "0": ["RANK0:False", "RANK1:False"]}
 
 
