@@ -53,7 +53,10 @@ def open_under(directory: str, name: str, flags: int, mode: int = 0o600) -> int:
             try:
                 fd = os.open(part, _DIR_FLAGS | _NOFOLLOW, dir_fd=stack[-1])
             except FileNotFoundError:
-                os.mkdir(part, 0o700, dir_fd=stack[-1])
+                try:
+                    os.mkdir(part, 0o700, dir_fd=stack[-1])
+                except FileExistsError:  # another rank made it between the open and here
+                    pass
                 fd = os.open(part, _DIR_FLAGS | _NOFOLLOW, dir_fd=stack[-1])
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):

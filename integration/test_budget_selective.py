@@ -36,7 +36,7 @@ def test_the_plan_holds_the_budget_and_every_gradient_is_exact_under_dropout(sel
     assert r["wrong"] == 0 and r["grad_none"] == 0 and r["trainable"] == 75, r
     assert r["held_fraction"] <= 0.5 * (1 + TOLERANCE), r
     assert r["full_held_fraction"] < 0.1  # the floor is far below the budget: a plan has room
-    assert "plain" in r["modes"] and r["modes"] != ["full"] * LAYERS, r["modes"]
+    assert r["modes"] != ["full"] * LAYERS, r["modes"]  # not every layer checkpointed whole
 
 
 def test_a_layer_that_keeps_its_matmuls_recomputes_none_of_them(selective):

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator
 from gcpatch.step.held import matmul_ops
 
 CONTEXT_FN = "context_fn"
+# measured rounds of plain, whole and keep, interleaved, after one warm-up round
+ROUNDS = 3
 
 
 class KeepMatmuls:
@@ -116,11 +118,12 @@ def ratio(model: Any, layers: list[Any], forward: Callable[[], Any]) -> float | 
     attention kernel a shape gets and its share of a layer change with both), through
     `torch.autograd.grad` on the trainable parameters (no `.grad` is touched), with every offering
     layer plain, checkpointed whole and keeping its matmuls, interleaved, after a warm-up round;
-    (keep - plain) / (whole - plain) of the fastest of two rounds, in the process's CPU time on a
-    CPU (other jobs on a shared machine do not count). The policy's Python call per op, in the
-    forward and the recompute, is in it, so a device where that outweighs the recompute saved
-    gets a ratio that makes the solver pass the option over. None where no layer offers it, or
-    where its policy kept nothing (it would not fire)."""
+    (keep - plain) / (whole - plain) of the round least favourable to keeping (`_worst`), in the
+    process's CPU time on a CPU (other jobs on a shared machine do not count). The policy's Python
+    call per op, in the forward and the recompute, is in it, so a device where that outweighs the
+    recompute saved gets a ratio that makes the solver pass the option over. None where no layer
+    offers it, where its policy kept nothing (it would not fire), or where the clock could not
+    tell whole checkpointing from plain."""
     torch = sys.modules["torch"]
     offered = [available(m) for m in layers]
     if not any(offered):
@@ -145,16 +148,28 @@ def ratio(model: Any, layers: list[Any], forward: Callable[[], Any]) -> float | 
                 torch.cuda.synchronize()
             return clock() - start
 
-    best = {"plain": float("inf"), "whole": float("inf"), "keep": float("inf")}
-    for round_ in range(3):  # the first round warms up and is not counted
-        for mode in best:
-            took = step(mode)
-            if round_:
-                best[mode] = min(best[mode], took)
+    rounds: list[dict[str, float]] = []
+    for round_ in range(1 + ROUNDS):  # the first round warms up and is not counted
+        took = {mode: step(mode) for mode in ("plain", "whole", "keep")}
+        if round_:
+            rounds.append(took)
     if not any(p is not None and p.kept for p in policies):
         return None
-    whole = best["whole"] - best["plain"]
-    return max(0.0, best["keep"] - best["plain"]) / whole if whole > 0 else None
+    return _worst(rounds)
+
+
+def _worst(rounds: list[dict[str, float]]) -> float | None:
+    """(keep - plain) / (whole - plain) of the round that makes keeping look worst, where the clock
+    can tell: the recompute (whole - plain, in every round) must exceed the clock's own noise (the
+    widest spread of one mode's time across the rounds). On a loaded machine, or a model whose
+    recompute is a few milliseconds, it cannot (the process's CPU time then counts other
+    threads' waiting too), and None keeps the plan to whole layers rather than a lever chosen by
+    chance; where it can, the least favourable round keeps a lucky one from choosing it."""
+    noise = max(max(r[m] for r in rounds) - min(r[m] for r in rounds) for m in rounds[0])
+    recompute = min(r["whole"] - r["plain"] for r in rounds)
+    if recompute <= noise:
+        return None
+    return max(max(0.0, r["keep"] - r["plain"]) / (r["whole"] - r["plain"]) for r in rounds)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from testkit.faultkit import FAULTS, run, tally
 from testkit.harness import child_env, messages, parse_results
 from testkit.subproc import requires_transformers
 
-from gcpatch import cli, explain, record
+from gcpatch import cli, explain, nofollow, record
 
 VICTIM_TEXT = "the user's own file\n"
 
@@ -414,3 +414,32 @@ def test_explain_groups_concurrent_runs_by_run(tmp_path):
     assert proc.returncode == 0, proc.stderr
     headers = [line for line in proc.stdout.splitlines() if line.startswith("-- run: pid")]
     assert len(headers) == 4, proc.stdout
+
+
+def test_a_rank_that_loses_the_race_to_create_the_record_directory_still_writes(
+    tmp_path, monkeypatch, caplog
+):
+    """Every rank of a job creates the missing record directory as its first decision is written:
+    where another rank made it between this one's open and its mkdir (FileExistsError), the entry
+    is written all the same. Before, that rank's first decision was lost with a 'cannot write'
+    line (torchrun, 2 ranks: one rank recorded one decision, the other two)."""
+    record_dir = tmp_path / "shared" / "rec"
+    real_mkdir = os.mkdir
+
+    def another_rank_first(path, mode=0o777, *, dir_fd=None):
+        real_mkdir(path, mode, dir_fd=dir_fd)  # the other rank wins the race ...
+        real_mkdir(path, mode, dir_fd=dir_fd)  # ... and this one's mkdir meets its directory
+
+    if not nofollow.supported():
+        pytest.skip("this platform has no directory-relative open")
+    monkeypatch.setattr(
+        nofollow, "supported", lambda: True
+    )  # os.mkdir below is not in supports_dir_fd
+    monkeypatch.setattr(os, "mkdir", another_rank_first)
+    entry = {"time": 1.0, "pid": os.getpid(), "rank": 1, "stage": "enable"}
+    with caplog.at_level("ERROR"):
+        assert record._write(entry, str(record_dir))
+    monkeypatch.undo()
+    assert not [r for r in caplog.records if "cannot write the record" in r.getMessage()]
+    lines = (record_dir / "gcpatch-rank1.jsonl").read_text().splitlines()
+    assert [json.loads(line)["stage"] for line in lines] == ["enable"]
