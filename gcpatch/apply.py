@@ -110,13 +110,7 @@ def apply(
         _install_input_hooks(model, state)
         applied[INPUT_GRADS_HOOK] = True
     if decision.values.get(USE_CACHE_OFF):
-        per_config = _use_cache_off(model, state)
-        if per_config:
-            applied[USE_CACHE_OFF] = per_config.get("config") or "; ".join(
-                f"{where}: {change}" for where, change in per_config.items()
-            )
-            if set(per_config) != {"config"}:
-                applied["use_cache_per_config"] = per_config
+        applied.update(use_cache_off(model))
     stacks = checkpoint_stacks(model)
     if stacks:
         applied["checkpointed_stacks"] = {
@@ -127,6 +121,20 @@ def apply(
             for name, _, layers in stacks
         }
         _arm_first_forward(model, state, on_first_forward)
+    return applied
+
+
+def use_cache_off(model: Any) -> dict[str, Any]:
+    """R6 applied (at the enable, or at the first training forward in eval mode): what the
+    record's `applied` gets."""
+    applied: dict[str, Any] = {}
+    per_config = _use_cache_off(model, state_of(model))
+    if per_config:
+        applied[USE_CACHE_OFF] = per_config.get("config") or "; ".join(
+            f"{where}: {change}" for where, change in per_config.items()
+        )
+        if set(per_config) != {"config"}:
+            applied["use_cache_per_config"] = per_config
     return applied
 
 

@@ -173,6 +173,7 @@ def stack_facts(model: Any) -> tuple[Stack, ...]:
                 fed_by_input_embeddings=fed,
                 blocks_in_eval_mode=sum(1 for layer in layers if not layer.training),
                 encoder_states_by_keyword=encoder_decoder and _encoder_states_by_keyword(owner),
+                runner_forward_from=str(getattr(type(owner).forward, "__module__", "") or ""),
             )
         )
     return tuple(facts)

@@ -17,7 +17,15 @@ from gcpatch import facts as facts_mod
 from gcpatch.context import EnableCall
 from gcpatch.errors import GcpatchError
 from gcpatch.manager import PluginFailure
-from gcpatch.schema import EVAL_MODE_FIX, REQUIRED, USE_REENTRANT, WRONG_GRADIENTS, Stage, Vote
+from gcpatch.schema import (
+    EVAL_MODE_FIX,
+    REQUIRED,
+    USE_CACHE_OFF,
+    USE_REENTRANT,
+    WRONG_GRADIENTS,
+    Stage,
+    Vote,
+)
 
 if TYPE_CHECKING:
     from gcpatch.step.verify import Report
@@ -228,6 +236,8 @@ def _decide_first_forward(model: Any) -> None:
                 decision.warnings.append(
                     vote.unmet or f"{vote.rule}: could not be applied to this model"
                 )
+        if decision.values.get(USE_CACHE_OFF):
+            applied.update(apply.use_cache_off(model))
         record.decision(facts, decision, applied, cfg.record_dir, instance=context.instance(model))
     except GcpatchError:
         raise

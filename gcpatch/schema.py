@@ -171,6 +171,8 @@ class Stack:
     blocks_in_eval_mode: int = 0
     # a decoder stack that takes the encoder's output by keyword (reentrant does not see it)
     encoder_states_by_keyword: bool = False
+    # the module that defines the runner's forward (whose code decides what a forward caches)
+    runner_forward_from: str = ""
 
     def __getitem__(self, name: str) -> Any:
         try:

@@ -80,8 +80,9 @@ def render(gc: dict, plain: dict) -> str:
         "`inputs_embeds` is the path transformers' own input hook misses.",
         "- **eval/train bytes**: activation bytes saved by a grad-enabled forward of a model left in eval mode "
         "with checkpointing enabled, over the same in train mode (1.00: checkpointing took effect).",
-        "- **use_cache on**: configs still holding `use_cache=True` after enabling (the top config, "
-        "`text_config`, a decoder stack's own copy).",
+        "- **use_cache on**: configs still holding `use_cache=True` after a grad-enabled forward in "
+        "eval mode (the top config, `text_config`, a decoder stack's own copy); on 5.x the enable "
+        "itself leaves them as the user set them.",
         "- **cache**: the KV cache an eval-mode, grad-enabled forward returns with the config's default / "
         "with `use_cache=True` (plain transformers without checkpointing: full / full).",
         "",
@@ -112,8 +113,8 @@ def render(gc: dict, plain: dict) -> str:
             f"| | | | eval/train bytes | {g['eval']['ratio_eval_to_train']:.2f} | "
             f"**{p['eval']['ratio_eval_to_train']:.2f}** |"
         )
-        on_gc = ", ".join(f"`{c}`" for c in g["cache"]["use_cache_on"]) or "none"
-        on_plain = ", ".join(f"`{c}`" for c in p["cache"]["use_cache_on"]) or "none"
+        on_gc = ", ".join(f"`{c}`" for c in g["cache"]["use_cache_on_after_forward"]) or "none"
+        on_plain = ", ".join(f"`{c}`" for c in p["cache"]["use_cache_on_after_forward"]) or "none"
         lines.append(f"| | | | use_cache on | {on_gc} | {on_plain} |")
         if g["cache"]["cache_default"] != "n/a":
             lines.append(
@@ -123,7 +124,8 @@ def render(gc: dict, plain: dict) -> str:
     lines += [
         "",
         "Plain figures in bold are the silent failures gcpatch fixes; `none` for the default cache "
-        "is R6 (`use_cache` off under checkpointing), and `full` when asked is the forward that asks "
+        "is R6 (`use_cache` off for a training forward in eval mode, where transformers keeps it on), "
+        "and `full` when asked is the forward that asks "
         "for a cache keeping the user's eval mode (R5 steps aside, as transformers would drop it).",
         "",
     ]
@@ -145,7 +147,7 @@ def readme_block(gc: dict) -> str:
             cases
             and all(not c["wrong"] and not c.get("error") for c in cases)
             and 0.9 <= fam["eval"]["ratio_eval_to_train"] <= 1.1
-            and not fam["cache"]["use_cache_on"]
+            and not fam["cache"]["use_cache_on_after_forward"]
         )
         if ok:
             proven.append(fam["label"].split(" (")[0])

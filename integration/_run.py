@@ -146,7 +146,8 @@ class Run:
     def line_problems(self) -> list[str]:
         """gcpatch's console lines and crash notes that are not whole: longer than the limit, or
         with a word cut short ("needs t..."). Every run the suite reads is checked
-        (conftest.ScriptRuns.get); at GCPATCH_LOG=debug the full DEBUG detail lines are exempt."""
+        (conftest.ScriptRuns.get); at GCPATCH_LOG=debug the full DEBUG detail lines are exempt, and
+        so is a traceback's last line (a strict-mode GcpatchError's whole text)."""
         if ("GCPATCH_LOG", "debug") in self.spec.env:
             return []
         texts = self.stderr.splitlines()
@@ -154,6 +155,9 @@ class Run:
             texts += [line for note in _notes(result) for line in note.splitlines()]
         out, ours = [], False
         for line in texts:
+            if line.startswith("gcpatch.errors."):  # a traceback's last line: the exception's text
+                ours = False
+                continue
             if line.startswith("gcpatch"):
                 ours = True
             elif not line.startswith("  "):

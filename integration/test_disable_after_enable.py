@@ -43,9 +43,9 @@ def test_off_leaves_the_model_as_without_gcpatch(script_runs, scenario):
         assert got[figure] == want[figure], (scenario, figure, got[figure], want[figure])
     assert got["checkpointing"] in ([False], []), got["checkpointing"]
     if scenario.endswith("disable") or scenario.endswith("disable_eval"):
-        assert (
-            got["use_cache"] is True
-        )  # R6 switched it off for the enable; the disable gave it back
+        # never switched (transformers drops the cache itself in train mode), or switched by R6 at
+        # the eval-mode first forward and given back by the disable
+        assert got["use_cache"] is True
 
 
 def test_disable_says_what_it_gave_back(script_runs):

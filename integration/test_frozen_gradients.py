@@ -126,8 +126,12 @@ def test_kept_choice_is_logged_recorded_and_explained(script_runs, api, inp):
     assert rec["decision"]["warnings"] == []
     assert rec["facts"]["partially_frozen"] is True
     assert [s["fed_by_input_embeddings"] for s in rec["facts"]["stacks"]] == [True]
-    assert rec["applied"]["use_cache_off"] == "use_cache True -> False"  # R6
-    assert run.result["use_cache"] is False
+    if V5:  # transformers' own Llama turns the cache off itself in a training forward: R6 leaves it
+        assert "use_cache_off" not in rec["applied"] and "R6" not in rec["rules"]
+        assert run.result["use_cache"] is True
+    else:  # 4.x's own switch logs in every forward (a graph break under torch.compile)
+        assert rec["applied"]["use_cache_off"] == "use_cache True -> False"  # R6
+        assert run.result["use_cache"] is False
     lines = run.gcpatch_lines()
     assert lines == [
         "gcpatch: LlamaForCausalLM: use_reentrant=True as asked, exact through the input-grads hook "

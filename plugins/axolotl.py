@@ -60,7 +60,8 @@ RULES = (
     ),
     Rule(
         "A5",
-        "checkpointing implies use_cache=False: applied at enable time by R6",
+        "checkpointing implies use_cache=False (Axolotl sets it on the model's config itself);"
+        " gcpatch's R6 does the same only where transformers' model code would not drop the cache",
         "Axolotl",
         documents=True,
     ),

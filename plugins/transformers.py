@@ -115,7 +115,18 @@ RULES = (
         "transformers/modeling_layers.py (GradientCheckpointingLayer checks self.training),"
         " ColossalAI C1",
     ),
-    Rule("R6", "checkpointing enabled -> config.use_cache=False", "Axolotl A5"),
+    Rule(
+        "R6",
+        "checkpointing enabled -> config.use_cache=False on every config that has it, except on"
+        " transformers 5.x models whose layers run in transformers' own model code, which turns"
+        " the cache off itself in a checkpointed training forward (warning once): there the"
+        " config is left as it is, and switched off only where the first training forward runs"
+        " in eval mode (R5), where transformers keeps the cache on. 4.x's own switch logs in every"
+        " forward, breaking a compiled graph that the config's switch leaves whole",
+        "4.35.2 models/llama/modeling_llama.py LlamaModel.forward; 4.57.6 utils/generic.py"
+        " check_model_inputs; 5.24.0 utils/generic.py merge_with_config_defaults,"
+        " modeling_layers.py; Axolotl A5",
+    ),
 )
 
 INFO = PluginInfo(
@@ -273,17 +284,16 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                     short="checkpointed layers train",
                 )
             )
-        cached = [where for where, value in facts.use_cache_configs.items() if value is not None]
-        if facts.use_cache is not None or cached:
-            votes.append(
-                Vote(
-                    USE_CACHE_OFF,
-                    True,
-                    REQUIRED,
-                    "R6",
-                    "the KV cache is useless under checkpointing and warns every step"
-                    + (f" (configs: {', '.join(cached)})" if len(cached) > 1 else ""),
-                    short="no KV cache under checkpointing",
+        if not _drops_cache_itself(facts):
+            own = _major(_release(facts)) < 5 and _own_runners(facts)
+            votes.extend(
+                _cache_off(
+                    facts,
+                    "transformers 4.x turns it off in every training forward with a logger call,"
+                    " a graph break under torch.compile"
+                    if own
+                    else "the forward that runs the checkpointed layers is not transformers' own,"
+                    " which turns the cache off in training",
                 )
             )
     elif facts.stage == Stage.FIRST_FORWARD and facts.grad_enabled and facts.layers_in_eval_mode:
@@ -304,7 +314,68 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                 ),
             )
         )
+        if _drops_cache_itself(facts):  # else R6 voted at the enable
+            votes.extend(
+                _cache_off(
+                    facts,
+                    "the model is in eval mode, where transformers keeps the cache on: it would"
+                    " hold every checkpointed layer's keys and values",
+                    on_only=True,
+                )
+            )
     return votes
+
+
+def _drops_cache_itself(facts: Facts) -> bool:
+    """Whether switching the config off is left to transformers: 5.x, where every checkpointed
+    stack runs in a forward of its own model code, which turns the KV cache off where it
+    checkpoints in training (5.24.0 utils/generic.py `merge_with_config_defaults`,
+    modeling_layers.py GradientCheckpointingLayer), warning once per process. R6 switching it
+    up front there costs a compiled job's first step 1.6x (dynamo traces the decoder frame twice;
+    benchmarks/COMPILE.md) and leaves the graph breaks as they are. 4.x turns it off too (4.35.2
+    per model, 4.57.6 utils/generic.py `check_model_inputs`), but with a logger call in every
+    forward, which breaks a compiled graph where R6's switch removes the break (benchmarks/
+    COMPILE.md: 3 breaks against 0): there R6 stands. Remote code and a user's own runner may
+    not turn it off at all."""
+    return _major(_release(facts)) >= 5 and _own_runners(facts)
+
+
+def _own_runners(facts: Facts) -> bool:
+    """Every checkpointed stack runs in a forward of transformers' own model code."""
+    return bool(facts.stacks) and all(
+        s.get("runner_forward_from", "").startswith("transformers.models.") for s in facts.stacks
+    )
+
+
+def _release(facts: Facts) -> str:
+    return (facts.versions or {}).get("transformers") or ""
+
+
+def _major(release: str) -> int:
+    head = release.split(".", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
+def _cache_off(facts: Facts, why: str, on_only: bool = False) -> list[Vote]:
+    """R6's vote where some config has `use_cache` (`on_only`: where one has it on)."""
+    cached = [
+        where
+        for where, value in facts.use_cache_configs.items()
+        if value is not None and (value or not on_only)
+    ]
+    if not cached and (facts.use_cache is None or (on_only and not facts.use_cache)):
+        return []
+    configs = f" (configs: {', '.join(cached)})" if len(cached) > 1 else ""
+    return [
+        Vote(
+            USE_CACHE_OFF,
+            True,
+            REQUIRED,
+            "R6",
+            f"no KV cache under checkpointing: {why}{configs}",
+            short="no KV cache under checkpointing",
+        )
+    ]
 
 
 def _starved_short(facts: Facts, hooked: bool = False) -> str:

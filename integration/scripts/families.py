@@ -10,8 +10,9 @@ Per family:
   R2 path): gradients against no checkpointing, and the use_reentrant the layers got.
 - eval: checkpointing enabled on a model left in eval mode; bytes autograd saves in a grad-enabled
   forward, against the same model in train mode and without checkpointing.
-- cache: every config and sub-config with `use_cache` after enabling; in eval mode, a
-  grad-enabled forward with the config's default and with `use_cache=True`: the cache returned.
+- cache: every config and sub-config with `use_cache` after enabling and after the first
+  grad-enabled forward in eval mode; in eval mode, a grad-enabled forward with the config's
+  default and with `use_cache=True`: the cache returned.
 
 usage: families.py [FAMILY ...]     prints one line: RESULT {json}
 """
@@ -659,6 +660,9 @@ def cache_case(name, path):
     inputs = path(model)
     with torch.enable_grad():
         result["cache_default"] = _cache_state(model(**inputs))
+        result["use_cache_on_after_forward"] = sorted(
+            k for k, v in _config_owners(model).items() if v
+        )
         if result["cache_default"] == "n/a":
             result["cache_asked"] = result["cache_asked_nogc"] = "n/a"
             return result

@@ -1,5 +1,6 @@
 """Saving after training with checkpointing on, as users do: one training step, then
-`save_pretrained` (a Llama; a LoRA model merged into its base), the saved config.json and
+`save_pretrained` (a Llama; a Llama left in eval mode while it trains; a LoRA model merged into
+its base), the saved config.json and
 generation_config.json read back, and the reloaded model run under no_grad asking for nothing:
 does its forward return a KV cache? Ordinary user code: nothing here imports gcpatch.
 
@@ -35,8 +36,8 @@ def reloaded_returns_cache(directory: str) -> bool:
         return model(input_ids=c.input_ids()).past_key_values is not None
 
 
-def trained(model, **enable):
-    model.train()
+def trained(model, mode: str = "train", **enable):
+    model.train(mode == "train")
     model.gradient_checkpointing_enable(**enable)
     ids = c.input_ids()
     model(input_ids=ids, labels=ids).loss.backward()
@@ -53,6 +54,14 @@ def main() -> None:
             "live_use_cache": model.config.use_cache,
             "json_string_use_cache": json.loads(model.config.to_json_string())["use_cache"],
             "reload_cache": reloaded_returns_cache(os.path.join(tmp, "llama")),
+        }
+        model = trained(c.llama(), mode="eval")
+        files = saved(model, os.path.join(tmp, "llama_eval"))
+        result["llama_eval"] = {
+            "files": files,
+            "live_use_cache": model.config.use_cache,
+            "json_string_use_cache": json.loads(model.config.to_json_string())["use_cache"],
+            "reload_cache": reloaded_returns_cache(os.path.join(tmp, "llama_eval")),
         }
         # LoRA, asked non-reentrant so that plain transformers 4.x trains it too
         peft_model = trained(

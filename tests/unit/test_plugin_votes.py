@@ -107,7 +107,9 @@ def test_partially_frozen_model_gets_r1_required_non_reentrant():
     assert next(v for v in votes if v.rule == "R1").avoids == WRONG_GRADIENTS
 
 
-def _stack(fed: bool, upstream: int = 0) -> Stack:
+def _stack(
+    fed: bool, upstream: int = 0, runner_from: str = "transformers.models.llama.modeling_llama"
+) -> Stack:
     return Stack(
         stack="model.layers",
         runner="LlamaModel",
@@ -119,6 +121,7 @@ def _stack(fed: bool, upstream: int = 0) -> Stack:
         blocks_in_eval_mode=0,
         encoder_states_by_keyword=False,
         fed_by_input_embeddings=fed,
+        runner_forward_from=runner_from,
     )
 
 
@@ -136,10 +139,35 @@ def test_r1_recommends_where_the_input_grads_hook_serves_and_requires_where_it_c
     assert rules_voted(vote(facts(frozen_params=50, stacks=(_stack(fed=True, upstream=5),)))) == []
 
 
-def test_all_trainable_model_gets_only_the_input_grads_hook_and_use_cache_off():
-    votes = plugin("transformers").gcpatch_vote(facts())
+def test_all_trainable_model_gets_only_the_input_grads_hook():
+    """transformers' own model code turns the cache off itself in a checkpointed training forward:
+    the config is the user's (R6 does not vote)."""
+    votes = plugin("transformers").gcpatch_vote(facts(stacks=(_stack(fed=True, upstream=5),)))
     assert rules_voted(votes) == []
+    assert {v.knob: v.rule for v in votes} == {INPUT_GRADS_HOOK: "R2"}
+
+
+@pytest.mark.parametrize(
+    "runner_from", ["transformers_modules.acme.modeling_acme", "__main__", "my_project.models"]
+)
+def test_use_cache_off_where_the_layers_forward_is_not_transformers_own_or_on_4x(runner_from):
+    """Remote code, a user's own runner: nothing says it drops the cache, so R6 switches it off."""
+    stacks = (_stack(fed=True, upstream=5, runner_from=runner_from),)
+    votes = plugin("transformers").gcpatch_vote(facts(stacks=stacks))
     assert {v.knob: v.rule for v in votes} == {INPUT_GRADS_HOOK: "R2", USE_CACHE_OFF: "R6"}
+    both = (_stack(fed=True, upstream=5), *stacks)  # one stack of each: R6 still votes
+    assert USE_CACHE_OFF in {
+        v.knob for v in plugin("transformers").gcpatch_vote(facts(stacks=both))
+    }
+    # 4.x: transformers' own switch logs in every forward (a graph break under torch.compile): R6
+    four = facts(stacks=(_stack(fed=True, upstream=5),), versions={"transformers": "4.57.6"})
+    assert {v.knob: v.rule for v in plugin("transformers").gcpatch_vote(four)} == {
+        INPUT_GRADS_HOOK: "R2",
+        USE_CACHE_OFF: "R6",
+    }
+    # a config without use_cache (an encoder-only family): nothing to switch off
+    votes = plugin("transformers").gcpatch_vote(facts(stacks=stacks, use_cache=None))
+    assert USE_CACHE_OFF not in {v.knob for v in votes}
 
 
 def test_eval_mode_at_first_forward_gets_r5_only_with_grad_enabled():
@@ -155,6 +183,16 @@ def test_eval_mode_at_first_forward_gets_r5_only_with_grad_enabled():
     assert [
         v.knob for v in tf.gcpatch_vote(facts(stage="first_forward", layers_in_eval_mode=1))
     ] == [EVAL_MODE_FIX]
+    # in eval mode transformers keeps the cache on (its switch reads the runner's `training`), so
+    # R5 comes with R6 where the cache is on, and alone where it is already off
+    stacks = (_stack(fed=True, upstream=5),)
+    eval_first = facts(stage="first_forward", layers_in_eval_mode=1, stacks=stacks)
+    assert [(v.rule, v.knob) for v in tf.gcpatch_vote(eval_first)] == [
+        ("R5", EVAL_MODE_FIX),
+        ("R6", USE_CACHE_OFF),
+    ]
+    off = facts(stage="first_forward", layers_in_eval_mode=1, stacks=stacks, use_cache=False)
+    assert [v.rule for v in tf.gcpatch_vote(off)] == ["R5"]
 
 
 def test_zero3_with_frozen_params_gets_r3_reentrant_only_below_the_fixed_release():
