@@ -47,22 +47,14 @@ def trained(model, mode: str = "train", **enable):
 def main() -> None:
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = trained(c.llama())
-        files = saved(model, os.path.join(tmp, "llama"))
-        result["llama"] = {
-            "files": files,
-            "live_use_cache": model.config.use_cache,
-            "json_string_use_cache": json.loads(model.config.to_json_string())["use_cache"],
-            "reload_cache": reloaded_returns_cache(os.path.join(tmp, "llama")),
-        }
-        model = trained(c.llama(), mode="eval")
-        files = saved(model, os.path.join(tmp, "llama_eval"))
-        result["llama_eval"] = {
-            "files": files,
-            "live_use_cache": model.config.use_cache,
-            "json_string_use_cache": json.loads(model.config.to_json_string())["use_cache"],
-            "reload_cache": reloaded_returns_cache(os.path.join(tmp, "llama_eval")),
-        }
+        for name, mode in (("llama", "train"), ("llama_eval", "eval")):
+            model = trained(c.llama(), mode=mode)
+            result[name] = {
+                "files": saved(model, os.path.join(tmp, name)),
+                "live_use_cache": model.config.use_cache,
+                "json_string_use_cache": json.loads(model.config.to_json_string())["use_cache"],
+                "reload_cache": reloaded_returns_cache(os.path.join(tmp, name)),
+            }
         # LoRA, asked non-reentrant so that plain transformers 4.x trains it too
         peft_model = trained(
             c.lora(c.llama()), gradient_checkpointing_kwargs={"use_reentrant": False}
