@@ -102,8 +102,11 @@ def test_enabling_twice_leaves_one_hook_and_the_same_decision(tmp_path):
             "embedding_hooks": len(emb._forward_hooks),
             "model_pre_hooks": len(m._forward_pre_hooks),
             "runner_pre_hooks": len(m.model._forward_pre_hooks),
-            "same": d[0]["decision"]["values"] == d[1]["decision"]["values"] and d[0]["rules"] == d[1]["rules"],
-            "applied": d[1]["applied"],
+            # the same decision again is a count on the first (record._keep), unless what was
+            # applied differs (4.x's R6: "use_cache already False" the second time)
+            "same": (len(d) == 1 and d[0].get("repeats") == 1) or (
+                d[0]["decision"]["values"] == d[1]["decision"]["values"] and d[0]["rules"] == d[1]["rules"]),
+            "applied": d[-1]["applied"],
         }))
     """.replace("\n        ", "\n"),
             tmp_path,
