@@ -247,6 +247,12 @@ class Facts:
     def partially_frozen(self) -> bool:
         return self.trainable_params > 0 and self.frozen_params > 0
 
+    def major(self, dist: str) -> int:
+        """The major release of `dist` as found (`versions`); 0 where it is absent or unreadable,
+        which a rule reads as the oldest release."""
+        head = (self.versions.get(dist) or "").split(".", 1)[0]
+        return int(head) if head.isdigit() else 0
+
     def to_dict(self) -> dict[str, Any]:
         # Not asdict(): it deep-copies, and the user's checkpoint kwargs may hold anything.
         data = {f.name: getattr(self, f.name) for f in fields(self)}

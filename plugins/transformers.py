@@ -285,13 +285,12 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                 )
             )
         if not _drops_cache_itself(facts):
-            own = _major(_release(facts)) < 5 and _own_runners(facts)
             votes.extend(
                 _cache_off(
                     facts,
                     "transformers 4.x turns it off in every training forward with a logger call,"
                     " a graph break under torch.compile"
-                    if own
+                    if _own_runners(facts)
                     else "the forward that runs the checkpointed layers is not transformers' own,"
                     " which turns the cache off in training",
                 )
@@ -337,7 +336,7 @@ def _drops_cache_itself(facts: Facts) -> bool:
     forward, which breaks a compiled graph where R6's switch removes the break (benchmarks/
     COMPILE.md: 3 breaks against 0): there R6 stands. Remote code and a user's own runner may
     not turn it off at all."""
-    return _major(_release(facts)) >= 5 and _own_runners(facts)
+    return facts.major("transformers") >= 5 and _own_runners(facts)
 
 
 def _own_runners(facts: Facts) -> bool:
@@ -345,15 +344,6 @@ def _own_runners(facts: Facts) -> bool:
     return bool(facts.stacks) and all(
         s.get("runner_forward_from", "").startswith("transformers.models.") for s in facts.stacks
     )
-
-
-def _release(facts: Facts) -> str:
-    return (facts.versions or {}).get("transformers") or ""
-
-
-def _major(release: str) -> int:
-    head = release.split(".", 1)[0]
-    return int(head) if head.isdigit() else 0
 
 
 def _cache_off(facts: Facts, why: str, on_only: bool = False) -> list[Vote]:

@@ -6,8 +6,6 @@ re-enables through the same patched call on exit, so it gets gcpatch's decision 
 
 from __future__ import annotations
 
-import logging
-
 from gcpatch.plugin import (
     CRASH,
     RECOMMENDED,
@@ -78,7 +76,7 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
     if facts.stage != Stage.ENABLE or not facts.trainer.startswith("trl."):
         return []
     votes = []
-    if _major(facts.versions.get("transformers")) < 5:
+    if facts.major("transformers") < 5:
         votes.append(
             Vote(
                 USE_REENTRANT,
@@ -104,13 +102,3 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
             )
         )
     return votes
-
-
-def _major(version: str | None) -> int:
-    try:
-        return int((version or "0").split(".")[0])
-    except ValueError:
-        logging.getLogger("gcpatch").debug(
-            "gcpatch: T1: unreadable transformers version %r, taken as 0", version
-        )
-        return 0
