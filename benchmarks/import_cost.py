@@ -23,12 +23,48 @@ from _releases import child_env, main, run_worker
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "IMPORT_COST.json"
 TABLE = HERE / "IMPORT_COST.md"
-TARGET_IMPORT_MS = 20.0
+# Goals: a process that never checkpoints pays at most 5 ms at `import torch`; a checkpointing job
+# (its first framework import and its first enable) at most 20 ms in all.
+TARGET_NEVER_MS = 5.0
+TARGET_JOB_MS = 20.0
 
+# Standard-library modules that gcpatch's modules import and `import torch` imports anyway: loaded
+# first in both arms, so that their cost, moved earlier by gcpatch, is not counted as added.
+STDLIB = (
+    "typing dataclasses logging threading weakref traceback re enum functools contextlib copy "
+    "types inspect collections importlib.util"
+)
+# Times gcpatch's own code inside a GCPATCH=1 process: the framework watcher's start of gcpatch
+# (importing its start-up modules, arming the patch points) and the post-import hooks that install
+# the points as their modules load. Exact where the paired difference of two 1-s imports is noisy.
+OWN = """
+import sys, time
+own = [0.0]
+for f in sys.meta_path:
+    if type(f).__name__ == "FrameworkWatcher":
+        start = f._on_first_import
+        def timed(start=start):
+            t0 = time.process_time()
+            start()
+            from gcpatch import import_hooks
+            hooked = import_hooks._imported
+            def timed_hooks(module):
+                t1 = time.process_time()
+                hooked(module)
+                own[0] += time.process_time() - t1
+            import_hooks._imported = timed_hooks
+            own[0] += time.process_time() - t0
+        f._on_first_import = timed
+"""
 CODES = {
-    "import torch": "import time; t = time.process_time(); import torch; d = {'import torch': time.process_time() - t}",
-    "import transformers": "import time; t = time.process_time(); import transformers; "
-    "d = {'import transformers': time.process_time() - t}",
+    "import torch": f"import {', '.join(STDLIB.split())}\n"
+    + OWN
+    + "t = time.process_time(); import torch; d = {'import torch': time.process_time() - t, "
+    '"gcpatch\'s own code at import torch": own[0]}',
+    "import transformers": f"import {', '.join(STDLIB.split())}\n"
+    + OWN
+    + "t = time.process_time(); import transformers; d = {'import transformers': "
+    'time.process_time() - t, "gcpatch\'s own code at import transformers": own[0]}',
     "enable": """
 import time, sys
 import torch
@@ -44,10 +80,13 @@ d = {'first enable in the process': first, "a second model's first enable": seco
 }
 ROWS = (
     "import torch",
+    "gcpatch's own code at import torch",
     "import transformers",
+    "gcpatch's own code at import transformers",
     "first enable in the process",
     "a second model's first enable",
 )
+JOB = "a checkpointing job: gcpatch's own code at its first framework import + its first enable"
 TAIL = "\nimport json; print('RESULT ' + json.dumps(d))"
 
 
@@ -71,7 +110,7 @@ def measure(python: str, args: argparse.Namespace) -> dict:
             "plain_ms": plain,
             "gcpatch_ms": gc,
             "added_ms": statistics.median(g - p for p, g in values),
-            "ratio": statistics.median(g / p for p, g in values),
+            "ratio": statistics.median(g / p for p, g in values) if plain > 0 else 0.0,
             "rounds": len(values),
         }
     return {"figures": out, "rounds": args.rounds}
@@ -83,34 +122,51 @@ def table(results: dict) -> str:
         "",
         "Reproduce: `python benchmarks/import_cost.py --python <venv>/bin/python ...` (this file is generated "
         "from IMPORT_COST.json). Paired fresh interpreters (GCPATCH=0 / GCPATCH=1, alternating order), CPU "
-        "time of the process taken inside it; figures are medians over rounds. At the first framework import gcpatch only "
-        "arms its patch points (no pluggy, no entry-point scan, no plugin, no crash notes); the plugins load at "
-        "the first call through a patch point, here the first enable.",
+        "time of the process taken inside it; figures are medians over rounds. Before the timed import both "
+        "arms load the standard-library modules gcpatch's start-up modules use and torch imports anyway "
+        f'({STDLIB}), so that what gcpatch only moves earlier is not counted. "gcpatch\'s own code" is '
+        "timed inside the GCPATCH=1 process: the watcher's start of gcpatch and the post-import hooks that "
+        "install the patch points. At the first framework import gcpatch only arms its patch points (no "
+        "wrapt, no pluggy, no entry-point scan, no plugin, no crash notes); the plugins load at the first "
+        "call through a patch point, here the first enable. Goals: a process that never checkpoints pays "
+        f"<= {TARGET_NEVER_MS:.0f} ms at `import torch`; a checkpointing job <= {TARGET_JOB_MS:.0f} ms "
+        "(its first framework import and its first enable).",
         "",
     ]
     for release, entry in sorted(results.items()):
+        figures = entry["figures"]
         lines += [
             f"## transformers {release} ({entry['when']}, {entry['machine']}, {entry['rounds']} rounds)",
             "",
-            "| what | plain (ms) | GCPATCH=1 (ms) | added (ms) | ratio | target |",
+            "| what | plain (ms) | GCPATCH=1 (ms) | added (ms) | ratio | goal |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
-        for name in sorted(entry["figures"], key=ROWS.index):  # the JSON keeps its keys sorted
-            f = entry["figures"][name]
-            target = ""
-            if name.startswith("import"):
-                target = f"<= +{TARGET_IMPORT_MS:.0f} ms: " + (
-                    "met" if f["added_ms"] <= TARGET_IMPORT_MS else "**missed**"
-                )
+        for name in sorted(figures, key=ROWS.index):  # the JSON keeps its keys sorted
+            f = figures[name]
+            goal = ""
+            if name in ("import torch", "gcpatch's own code at import torch"):
+                goal = _goal(f["added_ms"], TARGET_NEVER_MS)
+            ratio = f"{f['ratio']:.3f}x" if f["plain_ms"] > 0 else ""
             lines.append(
                 f"| {name} | {f['plain_ms']:.1f} | {f['gcpatch_ms']:.1f} | {f['added_ms']:+.2f} | "
-                f"{f['ratio']:.3f}x | {target} |"
+                f"{ratio} | {goal} |"
             )
+        if "gcpatch's own code at import transformers" in figures:
+            first = max(
+                figures[f"gcpatch's own code at import {name}"]["added_ms"]
+                for name in ("torch", "transformers")
+            )
+            job = first + figures["first enable in the process"]["added_ms"]
+            lines.append(f"| {JOB} |  |  | {job:+.2f} |  | {_goal(job, TARGET_JOB_MS)} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
+def _goal(added: float, target: float) -> str:
+    return f"<= +{target:.0f} ms: " + ("met" if added <= target else "**missed**")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=20)
     main(parser, measure, table, RESULTS, TABLE)

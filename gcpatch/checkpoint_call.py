@@ -19,12 +19,11 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-import wrapt
-
 from gcpatch import (
     call_facts,
     call_rewrites,
     engine,
+    import_hooks,
     lifetime,
     patching,
     record,
@@ -501,4 +500,4 @@ def reset() -> None:
     _untracked.clear()
 
 
-wrapt.register_post_import_hook(_eager_under_dynamo, "torch._dynamo.eval_frame")
+import_hooks.when_imported("torch._dynamo.eval_frame", _eager_under_dynamo)

@@ -122,9 +122,9 @@ _installed: list[tuple[Any, Any, Any]] = []  # (module, original, wrapper)
 
 def register() -> None:
     """Wrap torch.autograd.backward when torch.autograd is imported (now, if it already is)."""
-    import wrapt
+    from gcpatch import import_hooks
 
-    wrapt.register_post_import_hook(_install, "torch.autograd")
+    import_hooks.when_imported("torch.autograd", _install)
 
 
 def _install(module: Any) -> None:

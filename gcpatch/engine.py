@@ -81,10 +81,6 @@ QUIET_POINTS = frozenset(
     }
 )
 
-# Points torch.compile traces through (the checkpoint call of every checkpointed layer): a plain
-# function wraps them, so dynamo inlines it and meets torch's own checkpoint (its higher-order op).
-TRACED_POINTS = frozenset({("torch.utils.checkpoint", "checkpoint")})
-
 _host: PluginHost | None = None
 _patcher: Patcher | None = None
 _loading = threading.RLock()
@@ -96,7 +92,7 @@ def arm() -> Patcher:
     global _patcher
     if _patcher is None:
         cfg = settings.read()
-        patcher = Patcher(strict=cfg.strict, on_first_call=start, traced=TRACED_POINTS)
+        patcher = Patcher(strict=cfg.strict, on_first_call=start)
         _patcher = patcher
         for plugin, module, target, copies, applies in BUILTIN_POINTS:
             if plugin not in cfg.blocked_plugins:

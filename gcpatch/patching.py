@@ -1,7 +1,10 @@
 """Installing and removing patch points: lazily on import, exactly once, restored by identity.
 
-wrapt's post-import hooks fire when a module is imported, or at once if it already is, so the
-order of `import gcpatch` and `import transformers` does not matter.
+A point is installed when its module is imported, or at once if it already is
+(gcpatch/import_hooks.py), so the order of `import gcpatch` and `import transformers` does not
+matter. A function or method is replaced by a plain function (wrapt's wrapper protocol inside);
+wrapt's proxy stands only for what a function cannot (a builtin, a callable object), and wrapt is
+imported only then.
 """
 
 from __future__ import annotations
@@ -11,11 +14,9 @@ import functools
 import logging
 import sys
 import types
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-import wrapt
-
+from gcpatch import import_hooks
 from gcpatch.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 
@@ -25,22 +26,44 @@ if TYPE_CHECKING:  # not imported at run time: arming (at the first framework im
 log = logging.getLogger("gcpatch")
 
 
-@dataclass
 class Installed:
-    point: Any  # the plugin's PatchPoint; an _ArmedPoint until its plugin is loaded
-    plugin: str
-    owner: Any
-    attr: str
-    original: Any
-    wrapper: Any
-    inherited: bool
-    copies: list[_Binding]
-    replaced: list[tuple[Any, str, Any, Any]] = field(
-        default_factory=list
-    )  # (owner, name, theirs, our wrapper)
-    deferred: _Deferred | None = (
-        None  # armed by name: what the wrapper calls, bound when the plugin loads
+    """One installed point. A plain class, not a dataclass: generating a dataclass's methods
+    costs about a millisecond at the first framework import of every process."""
+
+    __slots__ = (
+        "point",
+        "plugin",
+        "owner",
+        "attr",
+        "original",
+        "wrapper",
+        "inherited",
+        "copies",
+        "replaced",
+        "deferred",
     )
+
+    def __init__(
+        self,
+        point: Any,  # the plugin's PatchPoint; an _ArmedPoint until its plugin is loaded
+        plugin: str,
+        owner: Any,
+        attr: str,
+        original: Any,
+        wrapper: Any,
+        inherited: bool,
+        copies: list[_Binding],
+        deferred: _Deferred | None = None,  # armed by name: bound when the plugin loads
+    ) -> None:
+        self.point, self.plugin, self.owner, self.attr = point, plugin, owner, attr
+        self.original, self.wrapper, self.inherited, self.copies = (
+            original,
+            wrapper,
+            inherited,
+            copies,
+        )
+        self.replaced: list[tuple[Any, str, Any, Any]] = []  # (owner, name, theirs, our wrapper)
+        self.deferred = deferred
 
 
 class Patcher:
@@ -52,10 +75,7 @@ class Patcher:
     puts back what no loaded plugin claimed."""
 
     def __init__(
-        self,
-        strict: bool = False,
-        on_first_call: Callable[[], Any] | None = None,
-        traced: frozenset[tuple[str, str]] = frozenset(),
+        self, strict: bool = False, on_first_call: Callable[[], Any] | None = None
     ) -> None:
         self.installed: dict[tuple[str, str], Installed] = {}
         self.not_applicable: dict[tuple[str, str], str] = {}
@@ -66,7 +86,6 @@ class Patcher:
         self._stopped = False
         self._strict = strict
         self._on_first_call = on_first_call
-        self._traced = traced  # points torch.compile traces through: wrapped by a plain function
 
     def arm(
         self,
@@ -88,11 +107,11 @@ class Patcher:
         imported = (
             module in sys.modules
         )  # else the hook runs as it loads: nothing else holds it yet
-        wrapt.register_post_import_hook(
+        import_hooks.when_imported(
+            module,
             lambda loaded: self._install_armed(
                 loaded, key, plugin, copies, applies, wakes, imported
             ),
-            module,
         )
 
     def register(self, point: PatchPoint, plugin: str) -> None:
@@ -108,8 +127,8 @@ class Patcher:
             self._bind(key, item, point, plugin)
         elif key not in self._armed:
             imported = point.module in sys.modules
-            wrapt.register_post_import_hook(
-                lambda module: self._install(module, point, plugin, imported), point.module
+            import_hooks.when_imported(
+                point.module, lambda module: self._install(module, point, plugin, imported)
             )
 
     def settle(self) -> None:
@@ -136,7 +155,7 @@ class Patcher:
             if getattr(original, "_self_gcpatch", False):
                 return  # already ours (the start-up line ran twice)
             guard = point.wrapper if point.guarded else _fail_open(point, plugin, self._strict)
-            wrapper = self._wrap(key, original, guard)
+            wrapper = _wrap(owner, original, guard)
             setattr(owner, attr, wrapper)
             copies = _copies(module, original, wrapper, imported) if point.copies else []
             self.installed[key] = Installed(
@@ -181,7 +200,7 @@ class Patcher:
             if getattr(original, "_self_gcpatch", False):
                 return  # already ours (the start-up line ran twice)
             deferred = _Deferred(self, wakes)
-            wrapper = self._wrap(key, original, deferred)
+            wrapper = _wrap(owner, original, deferred)
             setattr(owner, attr, wrapper)
             bindings = _copies(module, original, wrapper, imported) if copies else []
             self.installed[key] = Installed(
@@ -259,7 +278,7 @@ class Patcher:
         gcpatch's wrapper and its decisions still happen. Each replacement is reported once;
         returns what was found this time."""
         found = []
-        for key, item in list(self.installed.items()):
+        for item in list(self.installed.values()):
             places = [(item.owner, item.attr)] + [
                 (b.owner, b.name) for b in item.copies if b.index is None
             ]
@@ -271,7 +290,7 @@ class Patcher:
                     or _runs(current, item.wrapper)
                 ):
                     continue
-                wrapper = self._wrap(key, current, item.wrapper._self_wrapper)
+                wrapper = _wrap(owner, current, item.wrapper._self_wrapper)
                 setattr(owner, name, wrapper)
                 item.replaced.append((owner, name, current, wrapper))
                 # its re-exports
@@ -295,11 +314,6 @@ class Patcher:
                 item.deferred.call = _passthrough
             self._restore(item)
         self.installed.clear()
-
-    def _wrap(self, key: tuple[str, str], original: Any, guard: Callable[..., Any]) -> Any:
-        if key in self._traced and isinstance(original, types.FunctionType):
-            return _function_wrapper(original, guard)
-        return _GcpatchWrapper(original, guard)
 
     @staticmethod
     def _restore(item: Installed) -> None:
@@ -346,19 +360,48 @@ def _passthrough(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return wrapped(*args, **kwargs)
 
 
+def _wrap(owner: Any, original: Any, guard: Callable[..., Any]) -> Any:
+    """What stands in `owner` for `original`, calling `guard` (wrapt's wrapper protocol)."""
+    if isinstance(original, types.FunctionType):
+        if isinstance(owner, type):
+            return _method_wrapper(original, guard)
+        return _function_wrapper(original, guard)
+    return _proxy_class()(original, guard)
+
+
 def _function_wrapper(
     original: Callable[..., Any], guard: Callable[..., Any]
 ) -> Callable[..., Any]:
-    """A plain function standing for `original` (wrapt's wrapper protocol inside). torch.compile
-    inlines a Python function, where a wrapt proxy is opaque to it: a graph break at every call
-    (each checkpointed layer). A function copies as itself and pickles by its qualified name."""
+    """A plain function standing for a module's function. torch.compile inlines a Python function,
+    where a wrapt proxy is opaque to it: a graph break at every call (each checkpointed layer). A
+    function copies as itself and pickles by its qualified name."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return guard(original, None, args, kwargs)
 
+    return _stands_for(wrapper, original, guard)
+
+
+def _method_wrapper(original: Callable[..., Any], guard: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain function standing for a class's method: bound like the method it replaces, it gives
+    `guard` the bound original and the instance, as wrapt does (also when the method is called
+    through the class with the instance first, or through `super()`)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not args:
+            return guard(original, None, args, kwargs)  # the original says what is missing
+        instance = args[0]
+        return guard(original.__get__(instance, type(instance)), instance, args[1:], kwargs)
+
+    return _stands_for(wrapper, original, guard)
+
+
+def _stands_for(
+    wrapper: Callable[..., Any], original: Callable[..., Any], guard: Callable[..., Any]
+) -> Callable[..., Any]:
     functools.update_wrapper(
         wrapper, original
-    )  # name, module, qualname, doc, attributes, __wrapped__
+    )  # name, module, qualname, doc, attributes, __wrapped__ (signatures read through it)
     wrapper._self_gcpatch = True
     wrapper._self_wrapper = guard
     return wrapper
@@ -386,36 +429,42 @@ def _runs(current: Any, wrapper: Any) -> bool:
     return False
 
 
-class _GcpatchWrapper(wrapt.FunctionWrapper):
-    """A patched function that copies and pickles as the function it stands for: a model holding
-    `partial(checkpoint, ...)` deep-copies (TRL's reference model, EMA and teacher copies) and
-    pickles exactly as it would without gcpatch. A function is its own copy; a pickle names the
-    original's qualified name, so it loads as whatever stands there (the original without gcpatch).
-    """
+@functools.lru_cache(maxsize=None)
+def _proxy_class() -> type:
+    """wrapt's proxy for what no plain function can stand for (a builtin, a callable object),
+    built at its first use: wrapt is not imported before."""
+    import wrapt
 
-    _self_gcpatch = True
+    class _GcpatchWrapper(wrapt.FunctionWrapper):
+        """Copies and pickles as the callable it stands for: it is its own copy, and a pickle names
+        the original's qualified name (where gcpatch was removed or the name rebound, it pickles
+        as what it wraps)."""
 
-    def __copy__(self) -> Any:
-        return self
+        _self_gcpatch = True
 
-    def __deepcopy__(self, memo: dict) -> Any:
-        return self
+        def __copy__(self) -> Any:
+            return self
 
-    def __reduce_ex__(self, protocol: int) -> Any:
-        module = sys.modules.get(getattr(self, "__module__", None) or "")
-        name = getattr(self, "__qualname__", "")
-        try:
-            standing = _lookup(module, name) if module is not None and name else None
-        except AttributeError:
-            standing = None
-        if standing is self:
-            return name  # pickle's global reference, as for the function itself
-        # Not where the original lives (gcpatch was removed, or another tool rebound the name):
-        # pickled as what it wraps. copy.copy returns a function itself.
-        return copy.copy, (self.__wrapped__,)
+        def __deepcopy__(self, memo: dict) -> Any:
+            return self
 
-    def __reduce__(self) -> Any:
-        return self.__reduce_ex__(2)
+        def __reduce_ex__(self, protocol: int) -> Any:
+            module = sys.modules.get(getattr(self, "__module__", None) or "")
+            name = getattr(self, "__qualname__", "")
+            try:
+                standing = _lookup(module, name) if module is not None and name else None
+            except AttributeError:
+                standing = None
+            if standing is self:
+                return name  # pickle's global reference, as for the function itself
+            # Not where the original lives (gcpatch was removed, or another tool rebound the name):
+            # pickled as what it wraps. copy.copy returns a function itself.
+            return copy.copy, (self.__wrapped__,)
+
+        def __reduce__(self) -> Any:
+            return self.__reduce_ex__(2)
+
+    return _GcpatchWrapper
 
 
 def _lookup(module: Any, qualname: str) -> Any:

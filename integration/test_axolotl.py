@@ -232,11 +232,11 @@ def test_embeddings_skip_upcast_replacement_is_wrapped_again(ax_runs):
     run = trained(ax_runs, "skip-upcast-gcpatch")
     # plainly, Axolotl's exec'd copy replaces peft's function; under gcpatch it runs inside gcpatch's wrapper
     assert plain.result["kbit_prep"] == {
-        "type": "function",
+        "gcpatch": False,
         "function": "fixed_prepare_model_for_kbit_training",
     }
     assert run.result["kbit_prep"] == {
-        "type": "_GcpatchWrapper",
+        "gcpatch": True,
         "function": "fixed_prepare_model_for_kbit_training",
     }
     told = [line for line in output(run).splitlines() if "was rebound by another tool" in line]

@@ -19,13 +19,17 @@ from transformers import TrainerCallback
 
 
 def kbit_prep() -> dict:
-    """What `peft.utils.other.prepare_model_for_kbit_training` is now: its type and the function
-    inside (Axolotl's embeddings_skip_upcast replaces it with `fixed_prepare_model_for_kbit_training`)."""
+    """What `peft.utils.other.prepare_model_for_kbit_training` is now: whether gcpatch's wrapper
+    stands there and the function inside (Axolotl's embeddings_skip_upcast replaces it with
+    `fixed_prepare_model_for_kbit_training`)."""
     import sys
 
     fn = getattr(sys.modules.get("peft.utils.other"), "prepare_model_for_kbit_training", None)
     inner = getattr(fn, "__wrapped__", fn)
-    return {"type": type(fn).__name__, "function": getattr(inner, "__name__", repr(inner))}
+    return {
+        "gcpatch": bool(getattr(fn, "_self_gcpatch", False)),
+        "function": getattr(inner, "__name__", repr(inner)),
+    }
 
 
 class GradDump(TrainerCallback):

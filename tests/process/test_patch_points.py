@@ -23,7 +23,7 @@ PROBE = (
 import json, gcpatch
 from transformers.modeling_utils import PreTrainedModel
 names = ["gradient_checkpointing_enable", "activation_checkpointing_enable", "_activation_checkpointing_enable"]
-ours = sorted(n for n in names if type(vars(PreTrainedModel).get(n)).__name__ == "_GcpatchWrapper")
+ours = sorted(n for n in names if getattr(vars(PreTrainedModel).get(n), "_self_gcpatch", False))
 m = tiny()
 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 # the module that holds the flag: each layer from 4.52 on (GradientCheckpointingLayer), the loop
@@ -193,14 +193,16 @@ def test_points_armed_by_name_are_the_plugins_own(tmp_path):
 
 def test_a_framework_import_loads_no_plugin_until_a_call(tmp_path):
     """Importing torch and transformers under GCPATCH=1 arms the patch points and loads nothing
-    else (no pluggy, no entry-point scan, no plugin, no crash notes); the first enable loads them."""
+    else (no wrapt, no pluggy, no entry-point scan, no plugin, no crash notes); the first enable
+    loads the plugins. Every built-in point is a function or method: wrapt's proxy is never
+    needed, so wrapt is not imported at all."""
     result = result_of(
         run_python(
             TINY
             + """
         import json, sys
         import torch, transformers.modeling_utils, torch.utils.checkpoint as cp
-        loaded = lambda: sorted(m for m in sys.modules if m.startswith(("pluggy", "gcpatch_plugins", "gcpatch.crash_notes",
+        loaded = lambda: sorted(m for m in sys.modules if m.startswith(("wrapt", "pluggy", "gcpatch_plugins", "gcpatch.crash_notes",
                                                                         "gcpatch.manager", "gcpatch.pipeline")))
         before, armed = loaded(), getattr(cp.checkpoint, "_self_gcpatch", False)
         m = tiny()
@@ -215,3 +217,4 @@ def test_a_framework_import_loads_no_plugin_until_a_call(tmp_path):
     assert result["before"] == [] and result["armed"] is True
     assert "pluggy" in result["after"] and "gcpatch_plugins.transformers" in result["after"]
     assert "gcpatch.crash_notes" in result["after"] and result["decisions"] == 1
+    assert not any(m.startswith("wrapt") for m in result["after"]), result["after"]

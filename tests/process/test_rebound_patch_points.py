@@ -40,7 +40,7 @@ peft.prepare_model_for_kbit_training = other.prepare_model_for_kbit_training
 
 peft.prepare_model_for_kbit_training(tiny())      # runs unwrapped: found at its enable decision
 first = gcpatch.decisions()[-1]["source"]
-ours_now = [type(other.prepare_model_for_kbit_training).__name__,
+ours_now = [getattr(other.prepare_model_for_kbit_training, "_self_gcpatch", False),
             other.prepare_model_for_kbit_training.__wrapped__.__code__.co_filename == "<patched peft source>",
             peft.prepare_model_for_kbit_training is other.prepare_model_for_kbit_training]
 peft.prepare_model_for_kbit_training(tiny())      # wrapped again: recorded as peft's call
@@ -54,7 +54,7 @@ def test_a_rebound_patch_point_is_wrapped_again_and_reported_once(tmp_path):
     result = result_of(proc)
     assert result == {
         "first": "call",
-        "ours_now": ["_GcpatchWrapper", True, True],
+        "ours_now": [True, True, True],
         "second": "peft.prepare_model_for_kbit_training",
     }, proc.stderr
     reports = [line for line in messages(proc.stderr) if "was rebound by another tool" in line]

@@ -31,7 +31,17 @@ STEP = {
 LAYERS = (
     (
         "vocabulary",
-        {"errors", "schema", "settings", "lifetime", "caller", "headline", "hookspecs", "budget"},
+        {
+            "errors",
+            "schema",
+            "settings",
+            "lifetime",
+            "caller",
+            "import_hooks",
+            "headline",
+            "hookspecs",
+            "budget",
+        },
     ),
     ("facts", {"ranks", "facts", "call_facts", "context"}),
     ("rules", {"resolve"}),

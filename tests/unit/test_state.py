@@ -25,6 +25,9 @@ PROCESS = {
     "context._asker": "a context variable: set for one enable call, reset after",
     "facts._walk": "a context variable: one module walk per decision",
     "engine._loading": "the lock around loading the plugins",
+    "import_hooks._hooks": "hooks waiting for their module's import: a patch point armed in one"
+    " activation and imported after it ended is not installed (the patcher it belongs to stopped)",
+    "import_hooks._lock": "the lock around the waiting hooks",
     "lifetime._resets": "the registry of resets itself",
     "manager._said": "what this process said about plugin ranges: a release does not change",
     "step.invisible._running": "passes in progress: back to 0 when each ends",
