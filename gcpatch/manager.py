@@ -16,10 +16,8 @@ from importlib import metadata
 from typing import Any, Mapping
 
 import pluggy
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
 
-from gcpatch import console, deadline, hookspecs, settings
+from gcpatch import console, deadline, hookspecs, release_range, settings
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import installed_version
 from gcpatch.schema import (
@@ -118,13 +116,13 @@ class PluginHost:
         if installed is None:
             status.state, status.why = "skipped", f"{info.framework} is not installed"
             log.debug("gcpatch: plugin %s skipped: %s", name, status.why)
-        elif not _in_range(installed, info.versions):
+        elif not release_range.contains(info.versions, installed):
             status.state = "skipped"
             status.why = (
                 f"{info.framework} {installed} is outside the supported range {info.versions}"
             )
             _say_once(logging.ERROR, f"gcpatch: plugin {name} skipped: {status.why}")
-        elif info.proven and not _in_range(installed, info.proven):
+        elif info.proven and not release_range.contains(info.proven, installed):
             status.untested = True
             _say_untested(info.framework, installed, info.proven)
         if status.state != "active":
@@ -542,10 +540,3 @@ def _say_untested(framework: str, version: str, proven: str) -> None:
         f" keeps working where it can and falls back to {framework}'s own behaviour where it"
         " cannot",
     )
-
-
-def _in_range(version: str, spec: str) -> bool:
-    try:
-        return Version(version) in SpecifierSet(spec, prereleases=True)
-    except (InvalidVersion, InvalidSpecifier):
-        return False

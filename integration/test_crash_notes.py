@@ -59,8 +59,8 @@ def assert_explained_crash(
         assert words in r["message"], r["message"]
     assert run.result["message"] == plain.result["message"]
     assert plain.result["notes"] == []
-    # the same frames: gcpatch's wrappers of torch.autograd.backward (crash notes, CK6) are the only ones added
-    ours = ("crash_notes.py:", "reentrant_grads.py:")
+    # the same frames: gcpatch's wrappers of torch.autograd.backward (crash notes, the CK6 patch point) are the only ones added
+    ours = ("crash_notes.py:", "reentrant_grads.py:", "patching.py:")
     assert [f for f in run.result["frames"] if not f.startswith(ours)] == plain.result["frames"]
     notes = run.result["notes"]
     assert len(notes) == 1, notes

@@ -38,6 +38,7 @@ LAYERS = (
             "lifetime",
             "caller",
             "import_hooks",
+            "release_range",
             "headline",
             "hookspecs",
             "budget",
