@@ -55,13 +55,14 @@ class Installed:
         copies: list[_Binding],
         deferred: _Deferred | None = None,  # armed by name: bound when the plugin loads
     ) -> None:
-        self.point, self.plugin, self.owner, self.attr = point, plugin, owner, attr
-        self.original, self.wrapper, self.inherited, self.copies = (
-            original,
-            wrapper,
-            inherited,
-            copies,
-        )
+        self.point = point
+        self.plugin = plugin
+        self.owner = owner
+        self.attr = attr
+        self.original = original
+        self.wrapper = wrapper
+        self.inherited = inherited
+        self.copies = copies
         self.replaced: list[tuple[Any, str, Any, Any]] = []  # (owner, name, theirs, our wrapper)
         self.deferred = deferred
 
