@@ -1,7 +1,7 @@
 """Running a function when a module is imported, or at once if it already is.
 
 wrapt offers this (`wrapt.register_post_import_hook`), but importing wrapt loads every one of its
-submodules (about 4 ms, benchmarks/IMPORT_COST.md) at the first framework import of every process,
+submodules (about 4 ms under `python -X importtime`) at the first framework import of every process,
 most of which never checkpoint. gcpatch arms its patch points there, so it uses this one finder:
 it takes part only in the imports of the modules it waits for, and hands each module the loader
 that found it before the module's code runs (as wrapt does).
@@ -42,7 +42,7 @@ def _imported(module: Any) -> None:
 
 class _Finder:
     """A `sys.meta_path` finder that finds nothing itself: for a module a hook waits for, it asks
-    the finders after it and wraps the loader they return."""
+    the other finders and wraps the loader they return."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname not in _hooks:

@@ -1,7 +1,7 @@
 """Whether an installed release lies in a plugin's declared range (a PEP 440 specifier set).
 
-packaging.specifiers answers this exactly, but importing it costs about 3 ms (benchmarks/
-IMPORT_COST.md), paid at the first enable of every checkpointing process. The ranges plugins
+packaging.specifiers answers this exactly, but importing it costs about 3 ms (`python -X
+importtime`), paid at the first enable of every checkpointing process. The ranges plugins
 declare use only comparisons (`>=4.35,<6`) and release prefixes (`==2.13.*`), which
 packaging.version answers here with packaging's own rules (pre-releases count as in range, as with
 `SpecifierSet(spec, prereleases=True)`); any other clause is handed to packaging.specifiers.
