@@ -12,7 +12,6 @@ import copy
 import logging
 import sys
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gcpatch import lifetime
@@ -39,25 +38,28 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, sys.modules["torch"].Tensor)
 
 
-@dataclass
 class ModelState:
     """What gcpatch installed on one model, so that a re-enable replaces it and a disable
     takes all of it back (what the user asked lives in gcpatch.context)."""
 
-    input_hooks: list[Any] = field(default_factory=list)
-    embeddings_hook_wanted: bool = (
-        False  # R2/X2 asked for a hook on the embedding output (transformers' or ours)
+    __slots__ = (
+        "input_hooks",
+        "embeddings_hook_wanted",
+        "first_forward",
+        "eval_fixed",
+        "mode_sync",
+        "cache_off",
     )
-    first_forward: list[Any] = field(
-        default_factory=list
-    )  # R5's one-shot pre-hooks, one per stack runner
-    eval_fixed: list[tuple[Any, Any]] = field(default_factory=list)
-    mode_sync: list[Any] = field(
-        default_factory=list
-    )  # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
-    cache_off: dict[int, tuple[Any, str, Any]] = field(
-        default_factory=dict
-    )  # R6: config -> (config, where, old)
+
+    def __init__(self) -> None:
+        self.input_hooks: list[Any] = []
+        # R2/X2 asked for a hook on the embedding output (transformers' or ours)
+        self.embeddings_hook_wanted = False
+        self.first_forward: list[Any] = []  # R5's one-shot pre-hooks, one per stack runner
+        self.eval_fixed: list[tuple[Any, Any]] = []
+        # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
+        self.mode_sync: list[Any] = []
+        self.cache_off: dict[int, tuple[Any, str, Any]] = {}  # R6: config -> (config, where, old)
 
 
 _states: weakref.WeakKeyDictionary[Any, ModelState] = weakref.WeakKeyDictionary()

@@ -15,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import FunctionType
-from typing import Any
+from typing import Any, NamedTuple
 
 # How far the container walks go: a batch of tensors in a list is a few items, not a program.
 _ITEMS = 16
@@ -28,8 +27,7 @@ _DEPTH = 3
 TRACKED, REBUILDABLE, OPAQUE = "", "rebuildable", "opaque"
 
 
-@dataclass(frozen=True)
-class Reach:
+class Reach(NamedTuple):
     """What a checkpointed function holds besides its positional inputs."""
 
     modules: tuple[Any, ...] = ()

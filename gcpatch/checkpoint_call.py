@@ -16,8 +16,8 @@ import importlib
 import logging
 import sys
 import weakref
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any, Callable, NamedTuple
 
 from gcpatch import (
     call_facts,
@@ -75,9 +75,9 @@ _probed: set[Any] = set()
 _untracked: dict[Any, str] = {}
 
 
-@dataclass(frozen=True)
-class _Outcome:
-    """What to do with every call that shows one pattern of facts."""
+class _Outcome(NamedTuple):
+    """What to do with every call that shows one pattern of facts (a named tuple: creating a
+    frozen dataclass costs about 0.5 ms of the first enable)."""
 
     use_reentrant: bool | None = None  # the value to run with; None: as called
     inline: bool = False  # run the function directly (CK2)

@@ -14,15 +14,13 @@ import contextvars
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from gcpatch import lifetime
 from gcpatch.schema import USE_REENTRANT, Source
 
 
-@dataclass(frozen=True)
-class Asker:
+class Asker(NamedTuple):
     """Who is asking for the enable call in progress (one context variable holds all of it)."""
 
     inside: bool = False  # an enable nested in one gcpatch is deciding: the outer decision stands
@@ -42,29 +40,32 @@ def asker() -> Asker:
 @contextmanager
 def asking(**changes: Any) -> Iterator[Asker]:
     """Run a block with these fields of `Asker` set (nested blocks see both)."""
-    token = _asker.set(replace(_asker.get(), **changes))
+    token = _asker.set(_asker.get()._replace(**changes))
     try:
         yield _asker.get()
     finally:
         _asker.reset(token)
 
 
-@dataclass
 class ModelContext:
     """What gcpatch knows about one model between decisions."""
 
-    ask: dict[str, Any] | None = None  # the user's last explicit model-level checkpoint kwargs
-    ask_from: str = ""
-    replay: Callable[[Any, Any], Any] | None = None  # re-runs the public enable (re-decisions)
-    wrapped: dict[str, Any] = field(default_factory=dict)  # facts learnt at wrap time (DDP)
-    trainer: str = ""
-    last: dict[str, Any] | None = None  # the last decision's record
-    # votes from what was measured on this model's real step (verify in fix mode): they take part in
-    # every later decision for it, as evidence outranks what the enable call could infer
-    evidence: list[Any] = field(default_factory=list)
-    # the how-manieth model of its class gcpatch met: the record and `gcpatch explain` tell two
-    # models of one class apart ("GPT2LMHeadModel #2"); a repeat is counted per model
-    instance: int = 1
+    __slots__ = ("ask", "ask_from", "replay", "wrapped", "trainer", "last", "evidence", "instance")
+
+    def __init__(self, instance: int = 1) -> None:
+        self.ask: dict[str, Any] | None = None  # the user's last explicit model-level kwargs
+        self.ask_from = ""
+        # re-runs the public enable (re-decisions)
+        self.replay: Callable[[Any, Any], Any] | None = None
+        self.wrapped: dict[str, Any] = {}  # facts learnt at wrap time (DDP)
+        self.trainer = ""
+        self.last: dict[str, Any] | None = None  # the last decision's record
+        # votes from what was measured on this model's real step (verify in fix mode): they take
+        # part in every later decision for it, as evidence outranks what the enable call inferred
+        self.evidence: list[Any] = []
+        # the how-manieth model of its class gcpatch met: the record and `gcpatch explain` tell
+        # two models of one class apart ("GPT2LMHeadModel #2"); a repeat is counted per model
+        self.instance = instance
 
     @property
     def enabled(self) -> bool:
@@ -127,38 +128,74 @@ def decided_within(root: Any) -> list[Any]:
     return [module for module in root.modules() if module in _models]
 
 
-@dataclass
 class EnableCall:
     """A framework's enable call, as the patch point saw it."""
 
-    model: Any
-    api: str
-    # Source.CALL: the user's code; Source.TRAINER: a Trainer re-enabling (X3); a framework's name
-    source: str
-    asked_kwargs: Mapping[str, Any] | None  # the checkpoint kwargs asked for, None when none were
-    asked_from: str
-    invoke: Callable[[Mapping[str, Any] | None], Any]  # runs the original with these kwargs
-    replay: Callable[[Any, Mapping[str, Any] | None], Any] | None = None  # re-enables a model later
-    trainer: str = ""
-    # the plugin's rule by which an earlier ask stands over a re-enable naming none
-    keeps_ask: str = ""
-    # what the framework's own enable runs with when the ask names no use_reentrant (None: not
-    # known), and whose default that is: kept where no rule finds it wrong
-    default_use_reentrant: bool | None = None
-    default_from: str = ""
+    __slots__ = (
+        "model",
+        "api",
+        "source",
+        "asked_kwargs",
+        "asked_from",
+        "invoke",
+        "replay",
+        "trainer",
+        "keeps_ask",
+        "default_use_reentrant",
+        "default_from",
+    )
+
+    def __init__(
+        self,
+        model: Any,
+        api: str,
+        source: str,
+        asked_kwargs: Mapping[str, Any] | None,
+        asked_from: str,
+        invoke: Callable[[Mapping[str, Any] | None], Any],
+        replay: Callable[[Any, Mapping[str, Any] | None], Any] | None = None,
+        trainer: str = "",
+        keeps_ask: str = "",
+        default_use_reentrant: bool | None = None,
+        default_from: str = "",
+    ) -> None:
+        self.model = model
+        self.api = api
+        # Source.CALL: the user's code; Source.TRAINER: a Trainer re-enabling (X3); a framework
+        self.source = source
+        self.asked_kwargs = asked_kwargs  # the checkpoint kwargs asked for, None when none were
+        self.asked_from = asked_from
+        self.invoke = invoke  # runs the original with these kwargs
+        self.replay = replay  # re-enables a model later
+        self.trainer = trainer
+        # the plugin's rule by which an earlier ask stands over a re-enable naming none
+        self.keeps_ask = keeps_ask
+        # what the framework's own enable runs with when the ask names no use_reentrant (None:
+        # not known), and whose default that is: kept where no rule finds it wrong
+        self.default_use_reentrant = default_use_reentrant
+        self.default_from = default_from
+
+    def __repr__(self) -> str:
+        return f"EnableCall({type(self.model).__name__}, {self.api!r}, {self.source!r})"
 
 
-@dataclass
 class DecisionContext:
     """One enable call with everything the decision reads: the call, who asked, what was asked
     in effect (an earlier ask kept over a re-enable that names none), and the model's context."""
 
-    call: EnableCall
-    asker: Asker
-    model: ModelContext
-    source: str
-    asked: Mapping[str, Any] | None
-    asked_from: str
+    __slots__ = ("call", "asker", "model", "source", "asked", "asked_from")
+
+    def __init__(
+        self,
+        call: EnableCall,
+        asker: Asker,
+        model: ModelContext,
+        source: str,
+        asked: Mapping[str, Any] | None,
+        asked_from: str,
+    ) -> None:
+        self.call, self.asker, self.model, self.source = call, asker, model, source
+        self.asked, self.asked_from = asked, asked_from
 
     @property
     def trainer(self) -> str:

@@ -16,8 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gcpatch import headline, lifetime, record, settings
 from gcpatch.ranks import rank
@@ -27,8 +26,7 @@ log = logging.getLogger("gcpatch")
 _MARK = "_gcpatch_explained"
 
 
-@dataclass(frozen=True)
-class Family:
+class Family(NamedTuple):
     id: str
     markers: tuple[str, ...]  # in the exception's type name or message
     title: str

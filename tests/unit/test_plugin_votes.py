@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import types
 
 import pytest
 
@@ -448,3 +449,36 @@ def test_a_vote_with_an_undeclared_rule_id_is_dropped_with_a_warning_and_refused
     strict.add(_UndeclaredRulePlugin(), "undeclared")
     with pytest.raises(GcpatchError, match="U2"):
         strict.votes(facts())
+
+
+class _Lazy:
+    """A module attribute that must not be read by registering (a lazy import proxy)."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"registering read {name!r} of a module attribute")
+
+
+def test_a_plugin_module_registers_its_hooks_alone_and_they_vote():
+    """pluggy is handed a plugin module's hook implementations (by the marker, whatever their
+    names) and nothing else of it: it reads each name it is given, which cost about 0.15 ms per
+    built-in plugin module at every process's first enable."""
+    module = types.ModuleType("acme_plugin")
+
+    @hookimpl
+    def gcpatch_plugin_info():
+        return PluginInfo(name="acme", framework="pluggy", versions=">=0", rules=(rule,))
+
+    @hookimpl(specname="gcpatch_vote")
+    def vote_on(facts):
+        return [Vote(USE_REENTRANT, False, RECOMMENDED, "A1", "acme")]
+
+    def helper():  # a plain function: not a hook
+        return None
+
+    rule = Rule("A1", "a", "here")
+    module.gcpatch_plugin_info, module.vote_on, module.helper = gcpatch_plugin_info, vote_on, helper
+    module.lazy, module.itertools = _Lazy(), itertools
+    host = PluginHost()
+    assert host.add(module, "acme").state == "active"
+    assert sorted(dir(host._pm.get_plugin("acme"))) == ["gcpatch_plugin_info", "vote_on"]
+    assert [(v.rule, v.plugin) for v in host.votes(facts())] == [("A1", "acme")]
