@@ -76,8 +76,7 @@ _untracked: dict[Any, str] = {}
 
 
 class _Outcome(NamedTuple):
-    """What to do with every call that shows one pattern of facts (a named tuple: creating a
-    frozen dataclass costs about 0.5 ms of the first enable)."""
+    """What to do with every call that shows one pattern of facts."""
 
     use_reentrant: bool | None = None  # the value to run with; None: as called
     inline: bool = False  # run the function directly (CK2)

@@ -14,6 +14,7 @@ import contextvars
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
 
 from gcpatch import lifetime
@@ -128,55 +129,25 @@ def decided_within(root: Any) -> list[Any]:
     return [module for module in root.modules() if module in _models]
 
 
+@dataclass
 class EnableCall:
     """A framework's enable call, as the patch point saw it."""
 
-    __slots__ = (
-        "model",
-        "api",
-        "source",
-        "asked_kwargs",
-        "asked_from",
-        "invoke",
-        "replay",
-        "trainer",
-        "keeps_ask",
-        "default_use_reentrant",
-        "default_from",
-    )
-
-    def __init__(
-        self,
-        model: Any,
-        api: str,
-        source: str,
-        asked_kwargs: Mapping[str, Any] | None,
-        asked_from: str,
-        invoke: Callable[[Mapping[str, Any] | None], Any],
-        replay: Callable[[Any, Mapping[str, Any] | None], Any] | None = None,
-        trainer: str = "",
-        keeps_ask: str = "",
-        default_use_reentrant: bool | None = None,
-        default_from: str = "",
-    ) -> None:
-        self.model = model
-        self.api = api
-        # Source.CALL: the user's code; Source.TRAINER: a Trainer re-enabling (X3); a framework
-        self.source = source
-        self.asked_kwargs = asked_kwargs  # the checkpoint kwargs asked for, None when none were
-        self.asked_from = asked_from
-        self.invoke = invoke  # runs the original with these kwargs
-        self.replay = replay  # re-enables a model later
-        self.trainer = trainer
-        # the plugin's rule by which an earlier ask stands over a re-enable naming none
-        self.keeps_ask = keeps_ask
-        # what the framework's own enable runs with when the ask names no use_reentrant (None:
-        # not known), and whose default that is: kept where no rule finds it wrong
-        self.default_use_reentrant = default_use_reentrant
-        self.default_from = default_from
-
-    def __repr__(self) -> str:
-        return f"EnableCall({type(self.model).__name__}, {self.api!r}, {self.source!r})"
+    model: Any
+    api: str
+    # Source.CALL: the user's code; Source.TRAINER: a Trainer re-enabling (X3); a framework's name
+    source: str
+    asked_kwargs: Mapping[str, Any] | None  # the checkpoint kwargs asked for, None when none were
+    asked_from: str
+    invoke: Callable[[Mapping[str, Any] | None], Any]  # runs the original with these kwargs
+    replay: Callable[[Any, Mapping[str, Any] | None], Any] | None = None  # re-enables a model later
+    trainer: str = ""
+    # the plugin's rule by which an earlier ask stands over a re-enable naming none
+    keeps_ask: str = ""
+    # what the framework's own enable runs with when the ask names no use_reentrant (None: not
+    # known), and whose default that is: kept where no rule finds it wrong
+    default_use_reentrant: bool | None = None
+    default_from: str = ""
 
 
 class DecisionContext:
