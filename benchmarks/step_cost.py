@@ -10,16 +10,18 @@ faster because wrong), trained with SGD: a step of a few milliseconds, in which 
 checkpoint calls goes through gcpatch's hot path (`checkpoint_call.run`).
 
 Plain and gcpatch alternate step by step inside one interpreter started with GCPATCH=1:
-`gcpatch.deactivate()` gives everything back before a plain step, `activate()` arms it again
-before a gcpatch step, and the model is enabled again after each switch (outside the timing, with
-one untimed step after it). On a shared 2-CPU VM, step times drift by 10-40% from one process or
-one block of steps to the next, which fresh interpreters alternating round by round could not
-resolve to 0.5%; neighbouring steps share that drift. Each step is timed by the process's CPU
-time, with the garbage collector off inside the timed loop. Per release: several interpreters
-(rounds), each with `--pairs` plain/gcpatch pairs; the table gives the median and the fastest
-decile of all steps of each side, gcpatch's ratio to plain, and a bootstrap 95% interval of the
-ratio of medians. The same pairs with gcpatch off on both sides (a control) show what noise alone
-gives. The per-call cost of the hot path itself is benchmarks/CHECKPOINT_CALL.md's.
+`gcpatch.deactivate()` gives everything back before a plain step, `activate()` arms it again before
+a gcpatch step, and the model is enabled again after each switch (outside the timing, with one
+untimed step after it; transformers' input-grads hook, which it adds again at every enable, is
+taken off first, so each side runs with the hooks of a job that enables once). On a shared 2-CPU
+VM, step times drift by 10-40% from one process or one block of steps to the next, which fresh
+interpreters alternating round by round could not resolve to 0.5%; neighbouring steps share that
+drift. Each step is timed by the process's CPU time, with the garbage collector off inside the
+timed loop. Per release: several interpreters (rounds), each with `--pairs` plain/gcpatch pairs;
+the table gives the median and the fastest decile of all steps of each side, gcpatch's ratio to
+plain, and a bootstrap 95% interval of the ratio of medians. The same pairs with gcpatch off on
+both sides (a control) show what noise alone gives. The per-call cost of the hot path itself is
+benchmarks/CHECKPOINT_CALL.md's.
 """
 
 from __future__ import annotations
@@ -54,9 +56,14 @@ ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))
 
 def switch(on):
     gcpatch.activate() if on else gcpatch.deactivate()
+    # transformers adds an input-grads hook at every enable (gcpatch takes the earlier ones away):
+    # the same hooks on either side, as in a job that enables once
+    if getattr(model, "_require_grads_hook", None) is not None:
+        model.disable_input_require_grads()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     patched = any(getattr(f, "_self_gcpatch", False) for f in vars(PreTrainedModel).values())
     assert patched == on, ("gcpatch did not switch", on)
+    assert len(model.get_input_embeddings()._forward_hooks) <= 1, "input-grads hooks piled up"
 
 def step():
     optimizer.zero_grad(set_to_none=True)
@@ -145,7 +152,8 @@ def table(results: dict) -> str:
         "checkpointed layers, all trainable, `use_reentrant=False` asked (plain is correct there), "
         "SGD, 2 x 64 tokens, one CPU thread. Plain and gcpatch alternate step by step in one "
         "interpreter started with GCPATCH=1 (`gcpatch.deactivate()` / `activate()` and the model "
-        "enabled again between steps, untimed), each step's process CPU time, garbage collector "
+        "enabled again between steps, untimed, transformers' input-grads hook taken off first so "
+        "that it does not pile up), each step's process CPU time, garbage collector "
         "off; several interpreters per release. Goal: gcpatch <= 1.005x plain, met where the "
         "whole 95% interval of the ratio of medians is at or below it. The plain-against-plain "
         "rows run the same switching and timing with gcpatch off on both sides: what noise alone "
