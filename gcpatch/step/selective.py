@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -26,8 +27,8 @@ from typing import Any, Callable, Iterator
 from gcpatch.step.held import matmul_ops
 
 CONTEXT_FN = "context_fn"
-# measured rounds of plain, whole and keep, interleaved, after one warm-up round
-ROUNDS = 3
+# measured rounds of plain, whole and keep on one layer, interleaved, after one warm-up round
+ROUNDS = 5
 
 
 class KeepMatmuls:
@@ -113,63 +114,98 @@ def switched(layers: list[Any], policies: list[KeepMatmuls | None]) -> Iterator[
 
 
 def ratio(model: Any, layers: list[Any], forward: Callable[[], Any]) -> float | None:
-    """What keeping the matmuls costs a step against checkpointing whole, measured: the model's
-    forward and backward on `forward`'s slice (up to two rows at the batch's token count: the
-    attention kernel a shape gets and its share of a layer change with both), through
-    `torch.autograd.grad` on the trainable parameters (no `.grad` is touched), with every offering
-    layer plain, checkpointed whole and keeping its matmuls, interleaved, after a warm-up round;
-    (keep - plain) / (whole - plain) of the round least favourable to keeping (`_worst`), in the
-    process's CPU time on a CPU (other jobs on a shared machine do not count). The policy's Python
-    call per op, in the forward and the recompute, is in it, so a device where that outweighs the
-    recompute saved gets a ratio that makes the solver pass the option over. None where no layer
-    offers it, where its policy kept nothing (it would not fire), or where the clock could not
-    tell whole checkpointing from plain."""
+    """What keeping the matmuls costs a step against checkpointing whole, measured on one layer
+    (the first that offers it; its kind's kernels are the others'): called alone on the inputs
+    it got in `forward` (the model's forward on the batch's slice, with every layer plain), its
+    forward and backward (`torch.autograd.grad` on its input and trainable parameters: no `.grad`
+    is touched) plain, checkpointed whole and keeping its matmuls, interleaved, after a warm-up
+    round; (keep - plain) / (whole - plain) of each mode's median (`_share`), in the process's CPU
+    time on a CPU (other jobs on a shared machine do not count). One layer, not the model's step:
+    a step's time on a shared CPU moves by more than a layer's recompute, and a big plain step
+    pays for its own memory, so steps told the lever's cost by chance. The policy's Python call
+    per op is in it, so a device where that outweighs the recompute saved gets a ratio that makes
+    the solver pass the option over. None where no layer offers it, where its policy kept nothing
+    (it would not fire), or where the clock could not tell whole checkpointing from plain."""
     torch = sys.modules["torch"]
-    offered = [available(m) for m in layers]
-    if not any(offered):
+    layer = next((m for m in layers if available(m)), None)
+    call = _first_call(torch, layer, forward) if layer is not None else None
+    if call is None:
         return None
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    policies = [KeepMatmuls() if ok else None for ok in offered]
-    cuda = any(p.is_cuda for p in trainable)
+    args, kwargs, at = call
+    params = [p for p in layer.parameters() if p.requires_grad]
+    policy = KeepMatmuls()
+    cuda = any(p.is_cuda for p in layer.parameters())
     clock = time.perf_counter if cuda else time.process_time
+    modes = {
+        "plain": contextlib.nullcontext,
+        "whole": lambda: _whole([layer], [True]),
+        "keep": lambda: switched([layer], [policy]),
+    }
 
     def step(mode: str) -> float:
-        with contextlib.ExitStack() as stack:
-            if mode == "keep":
-                stack.enter_context(switched(layers, policies))
-            elif mode == "whole":
-                stack.enter_context(_whole(layers, offered))
+        # a view, not a leaf: a host's module tracker (a FLOP counter around the step) hooks the
+        # layer's inputs, and autograd.grad refuses such hooks on a leaf
+        hidden = args[at].detach().requires_grad_().view_as(args[at])
+        with modes[mode]():
             if cuda:
                 torch.cuda.synchronize()
             start = clock()
-            value = _scalar(torch, forward())
-            torch.autograd.grad(value, trainable, allow_unused=True)
+            value = _scalar(torch, layer(*args[:at], hidden, *args[at + 1 :], **kwargs))
+            torch.autograd.grad(value, [hidden, *params], allow_unused=True)
             if cuda:
                 torch.cuda.synchronize()
             return clock() - start
 
-    rounds: list[dict[str, float]] = []
+    samples: dict[str, list[float]] = {mode: [] for mode in modes}
     for round_ in range(1 + ROUNDS):  # the first round warms up and is not counted
-        took = {mode: step(mode) for mode in ("plain", "whole", "keep")}
-        if round_:
-            rounds.append(took)
-    if not any(p is not None and p.kept for p in policies):
+        for mode in modes:
+            took = step(mode)
+            if round_:
+                samples[mode].append(took)
+    if not policy.kept:
         return None
-    return _worst(rounds)
+    return _share(samples)
 
 
-def _worst(rounds: list[dict[str, float]]) -> float | None:
-    """(keep - plain) / (whole - plain) of the round that makes keeping look worst, where the clock
-    can tell: the recompute (whole - plain, in every round) must exceed the clock's own noise (the
-    widest spread of one mode's time across the rounds). On a loaded machine, or a model whose
-    recompute is a few milliseconds, it cannot (the process's CPU time then counts other
-    threads' waiting too), and None keeps the plan to whole layers rather than a lever chosen by
-    chance; where it can, the least favourable round keeps a lucky one from choosing it."""
-    noise = max(max(r[m] for r in rounds) - min(r[m] for r in rounds) for m in rounds[0])
-    recompute = min(r["whole"] - r["plain"] for r in rounds)
+def _first_call(torch: Any, layer: Any, forward: Callable[[], Any]) -> tuple | None:
+    """The positional and keyword arguments of the layer's first call in `forward` (run without
+    a graph), and the position of its hidden states (its first floating-point tensor)."""
+    calls: list[tuple] = []
+
+    def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        if not calls:
+            calls.append((args, dict(kwargs)))
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        handle.remove()
+    if not calls:
+        return None
+    args, kwargs = calls[0]
+    if "hidden_states" in kwargs and not args:
+        args, kwargs = (kwargs.pop("hidden_states"),), kwargs
+    at = next(
+        (i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()),
+        None,
+    )
+    return None if at is None else (tuple(args), kwargs, at)
+
+
+def _share(samples: dict[str, list[float]]) -> float | None:
+    """(keep - plain) / (whole - plain) of each mode's median, where the clock can tell: the
+    recompute (whole's median less plain's) must exceed the clock's own noise (half the widest
+    spread of one mode's times). On a loaded machine, or a layer whose recompute is too short to
+    time, it cannot, and None keeps the plan to whole layers rather than a lever chosen by chance;
+    medians keep one lucky or unlucky round from deciding."""
+    median = {mode: statistics.median(times) for mode, times in samples.items()}
+    noise = max(max(times) - min(times) for times in samples.values()) / 2
+    recompute = median["whole"] - median["plain"]
     if recompute <= noise:
         return None
-    return max(max(0.0, r["keep"] - r["plain"]) / (r["whole"] - r["plain"]) for r in rounds)
+    return max(0.0, median["keep"] - median["plain"]) / recompute
 
 
 @contextlib.contextmanager

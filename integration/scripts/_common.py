@@ -58,8 +58,9 @@ def freeze_embeddings_and_first_layer(model) -> None:
         param.requires_grad_(False)
 
 
-def lora(model, seed: int = 123):
-    """LoRA (r=4) on q_proj and v_proj, seeded, as most fine-tuning scripts configure it."""
+def lora(model, seed: int = 123, dropout: float = 0.0):
+    """LoRA (r=4) on q_proj and v_proj, seeded, as most fine-tuning scripts configure it
+    (`dropout`: LoRA's own, on the adapters' inputs)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -69,7 +70,7 @@ def lora(model, seed: int = 123):
             r=4,
             lora_alpha=8,
             target_modules=["q_proj", "v_proj"],
-            lora_dropout=0.0,
+            lora_dropout=dropout,
             task_type="CAUSAL_LM",
         ),
     )

@@ -1,14 +1,21 @@
 """An 8-layer Llama (hidden 256, sdpa attention, batch 2 x 1024 tokens) trained three steps under
-GCPATCH_MEMORY_BUDGET=0.5 with `gradient_checkpointing_enable()`, against the same model without
-checkpointing and with full checkpointing. Ordinary user code: nothing here imports gcpatch.
+GCPATCH_MEMORY_BUDGET=0.5, against the same model without checkpointing and with full
+checkpointing. Ordinary user code: nothing here imports gcpatch.
 
 Per run the script measures by itself: what the forward of the last step holds for the backward
-(budget_train's dispatch mode), the FLOPs its backward runs (torch.utils.flop_counter: a backward
-with checkpointing recomputes, so its FLOPs minus those of the backward without checkpointing are
-the recompute), every gradient against the run without checkpointing, and how each layer runs
-(plain, checkpointed, checkpointed with a selective `context_fn`).
+(budget_train's dispatch mode), the FLOPs the step runs beyond the forward's (torch.utils.
+flop_counter: a backward with checkpointing recomputes, so its FLOPs minus those of the backward
+without checkpointing are the recompute), every gradient against the run without checkpointing,
+and how each layer runs (plain, checkpointed, checkpointed with a selective `context_fn`).
 
-usage: budget_selective.py [--setup loop|lora] [--dropout 0.1]
+usage: budget_selective.py [--setup loop|lora|trainer] [--dropout 0.1]
+  loop:    a training loop, `gradient_checkpointing_enable()`
+  lora:    the same loop on PEFT LoRA (get_peft_model after the enable)
+  trainer: transformers' Trainer (gradient_checkpointing=True) on PEFT LoRA, a probe optimizer
+           (lr 0) reading the third step's gradients
+  --dropout: the attention's dropout, and LoRA's on the adapters' inputs
+  --non-reentrant: the loop's enable asks use_reentrant=False (transformers 4.x defaults to
+           reentrant, with which torch's selective checkpointing cannot run)
 prints one line: RESULT {json}
 """
 
@@ -45,33 +52,105 @@ def build(args):
     return LlamaForCausalLM(config)
 
 
+def ids():
+    return torch.randint(0, 256, (BATCH, TOKENS), generator=torch.Generator().manual_seed(3))
+
+
+def lora(model, args):
+    model = c.lora(model, dropout=args.dropout)
+    c.trained_lora_b(model)
+    return model
+
+
 def run(args, checkpointing: bool) -> dict:
+    if args.setup == "trainer":
+        return trainer(args, checkpointing)
     model = build(args)
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        kwargs = {"use_reentrant": False} if args.non_reentrant else None
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if args.setup == "lora":
-        model = c.lora(model)
-        for module in model.modules():  # LoRA's own dropout on the adapters' inputs
-            if type(module).__name__ == "Dropout" and "lora_dropout" in str(module.__class__):
-                module.p = args.dropout
-        c.trained_lora_b(model)
+        model = lora(model, args)
     model.train()
-    ids = torch.randint(0, 256, (BATCH, TOKENS), generator=torch.Generator().manual_seed(3))
+    batch = ids()
     out = {}
     for step in range(3):  # the plan is made after the first forward; steps 2 and 3 run it
         model.zero_grad(set_to_none=True)
         torch.manual_seed(100 + step)
         with HeldBytes() as held:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=batch, labels=batch).loss
         out["held"] = held.alive()
         counter = FlopCounterMode(display=False)
         with counter:
             loss.backward()
-        out["backward_flops"] = counter.get_total_flops()
+        out["flops"] = counter.get_total_flops()
     out["grads"] = c.trainable_grads(model)
-    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
-    out["modes"] = [_mode(m) for m in layers]
+    out["modes"] = modes(model)
     return out
+
+
+def trainer(args, checkpointing: bool) -> dict:
+    """Three Trainer steps; the third's figures. The step's FLOPs stand for the backward's: its
+    forward runs the same matmuls with or without checkpointing, so differences are recompute."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    model = lora(build(args), args)
+    out = {}
+
+    class Measuring(Trainer):
+        def compute_loss(self, model, inputs, *rest, **kwargs):
+            with HeldBytes() as held:
+                loss = super().compute_loss(model, inputs, *rest, **kwargs)
+            out["held"] = held.alive()
+            return loss
+
+        def training_step(self, *rest, **kwargs):
+            counter = FlopCounterMode(display=False)
+            with counter:
+                loss = super().training_step(*rest, **kwargs)
+            out["flops"] = counter.get_total_flops()
+            return loss
+
+    probe = GradProbe(model, at=3)
+    arguments = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="budget-selective-", dir="."),
+        per_device_train_batch_size=BATCH,
+        max_steps=3,
+        report_to=[],
+        gradient_checkpointing=checkpointing,
+        save_strategy="no",
+        max_grad_norm=0.0,
+        use_cpu=True,
+        logging_strategy="no",
+        seed=11,
+        disable_tqdm=True,
+    )
+    Measuring(
+        model=model, args=arguments, train_dataset=c.Batch(ids()), optimizers=(probe, None)
+    ).train()
+    out["grads"], out["modes"] = probe.grads, modes(model)
+    return out
+
+
+class GradProbe(torch.optim.SGD):
+    """An lr=0 SGD handed to the Trainer: at its `at`-th step it records the trainable gradients."""
+
+    def __init__(self, model, at: int) -> None:
+        super().__init__([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        self.model, self.at, self.steps, self.grads = model, at, 0, None
+
+    def step(self, closure=None):
+        self.steps += 1
+        if self.steps == self.at:
+            self.grads = c.trainable_grads(self.model)
+        return super().step(closure)
+
+
+def modes(model) -> list[str]:
+    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    return [_mode(m) for m in layers]
 
 
 def _mode(layer) -> str:
@@ -83,8 +162,9 @@ def _mode(layer) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--setup", choices=("loop", "lora"), default="loop")
+    parser.add_argument("--setup", choices=("loop", "lora", "trainer"), default="loop")
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--non-reentrant", action="store_true")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
@@ -94,15 +174,14 @@ def main() -> None:
     budget = run(args, checkpointing=True)
     os.environ.pop("GCPATCH_MEMORY_BUDGET")
     compared = c.compare_grads(budget["grads"], plain["grads"], atol=0.0)
-    full_recompute = full["backward_flops"] - plain["backward_flops"]
+    full_recompute = full["flops"] - plain["flops"]
     c.emit(
         {
             "scenario": "budget_selective",
             "setup": args.setup,
             "held_fraction": budget["held"] / plain["held"],
             "full_held_fraction": full["held"] / plain["held"],
-            "recompute_flops_share": (budget["backward_flops"] - plain["backward_flops"])
-            / full_recompute,
+            "recompute_flops_share": (budget["flops"] - plain["flops"]) / full_recompute,
             "modes": budget["modes"],
             "wrong": compared["wrong"],
             "grad_none": compared["grad_none"],
