@@ -59,7 +59,8 @@ def main(
     table_path: Path,
 ) -> None:
     """Measure each `--python` (default: this interpreter), merge into `results_path` under its
-    transformers release, and write the table generated from all releases measured so far."""
+    transformers release (keys this run does not measure are kept), and write the table generated
+    from all releases measured so far."""
     parser.add_argument(
         "--python", action="append", help="a venv's interpreter (repeat: one per release)"
     )
@@ -72,7 +73,8 @@ def main(
         for python in args.python or [sys.executable]:
             name = release(python)
             print(f"{python}: transformers {name}", file=sys.stderr)
-            results[name] = {
+            results[name] = {  # what this run did not measure stays as it was
+                **results.get(name, {}),
                 **measure(python, args),
                 "when": time.strftime("%Y-%m-%d %H:%M"),
                 "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",

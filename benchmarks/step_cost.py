@@ -20,8 +20,10 @@ drift. Each step is timed by the process's CPU time, with the garbage collector 
 timed loop. Per release: several interpreters (rounds), each with `--pairs` plain/gcpatch pairs;
 the table gives the median and the fastest decile of all steps of each side, gcpatch's ratio to
 plain, and a bootstrap 95% interval of the ratio of medians. The same pairs with gcpatch off on
-both sides (a control) show what noise alone gives. The per-call cost of the hot path itself is
-benchmarks/CHECKPOINT_CALL.md's.
+both sides (a control) show what noise alone gives. `--sides selective` times the same pairs with
+a user's own selective checkpointing (a `context_fn` from `create_selective_checkpoint_contexts`
+saving the matmuls), which gcpatch keeps as given: it must cost no more under GCPATCH=1 than
+plainly. The per-call cost of the hot path itself is benchmarks/CHECKPOINT_CALL.md's.
 """
 
 from __future__ import annotations
@@ -45,7 +47,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, __version__ as tf_version
 import gcpatch
 torch.set_num_threads(1)
-pairs, control = int(sys.argv[1]), sys.argv[2] == "control"
+pairs, kind = int(sys.argv[1]), sys.argv[2]
+control = kind == "control"
+asked = {"use_reentrant": False}
+if kind == "selective":  # a user's own selective checkpointing: save the matmuls, recompute the rest
+    import functools
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    aten = torch.ops.aten
+    saved = [aten.mm.default, aten.addmm.default, aten.bmm.default]
+    asked["context_fn"] = functools.partial(create_selective_checkpoint_contexts, saved)
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                      num_hidden_layers=4, num_attention_heads=4,
@@ -60,10 +70,13 @@ def switch(on):
     # the same hooks on either side, as in a job that enables once
     if getattr(model, "_require_grads_hook", None) is not None:
         model.disable_input_require_grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(asked))
     patched = any(getattr(f, "_self_gcpatch", False) for f in vars(PreTrainedModel).values())
     assert patched == on, ("gcpatch did not switch", on)
     assert len(model.get_input_embeddings()._forward_hooks) <= 1, "input-grads hooks piled up"
+    if "context_fn" in asked:  # the user's own, kept as given on either side
+        func = model.model.layers[0]._gradient_checkpointing_func
+        assert func.keywords.get("context_fn") is asked["context_fn"], ("context_fn lost", func)
 
 def step():
     optimizer.zero_grad(set_to_none=True)
@@ -90,8 +103,9 @@ print("RESULT " + json.dumps({"transformers": tf_version, "torch": torch.__versi
 
 
 def run(python: str, pairs: int, sides: str) -> dict:
-    """One interpreter's pairs: plain against gcpatch, or plain against plain ("control": the same
-    switching and timing with gcpatch off on both sides, which shows what noise alone gives)."""
+    """One interpreter's pairs: plain against gcpatch, plain against plain ("control": the same
+    switching and timing with gcpatch off on both sides, which shows what noise alone gives), or
+    plain against gcpatch with a user's own `context_fn` ("selective")."""
     return run_worker(python, WORKER, [str(pairs), sides], child_env(True))
 
 
@@ -116,7 +130,7 @@ def _interval(plain: list[float], ours: list[float], draws: int = 2000) -> list[
 
 def measure(python: str, args: argparse.Namespace) -> dict:
     out: dict = {"pairs": args.pairs, "rounds": args.rounds}
-    for sides in ("gcpatch", "control"):
+    for sides in args.sides.split(","):
         plain: list[float] = []
         ours: list[float] = []
         rounds = []
@@ -157,7 +171,9 @@ def table(results: dict) -> str:
         "off; several interpreters per release. Goal: gcpatch <= 1.005x plain, met where the "
         "whole 95% interval of the ratio of medians is at or below it. The plain-against-plain "
         "rows run the same switching and timing with gcpatch off on both sides: what noise alone "
-        "gives. No GPU was lent for these figures.",
+        "gives. The context_fn rows pass a user's own selective checkpointing to the enable "
+        "(`create_selective_checkpoint_contexts` saving mm, addmm and bmm), which gcpatch keeps as "
+        "given. No GPU was lent for these figures.",
         "",
         "| transformers | torch | interpreters x pairs | plain median (ms) | gcpatch (or second plain) median (ms) "
         "| ratio | 95% interval | plain fastest decile (ms) | gcpatch (or second plain) fastest decile (ms) | ratio "
@@ -165,7 +181,13 @@ def table(results: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for release, entry in sorted(results.items()):
-        for sides, label in (("gcpatch", release), ("control", f"{release}, plain against plain")):
+        for sides, label in (
+            ("gcpatch", release),
+            ("selective", f"{release}, a user's own context_fn"),
+            ("control", f"{release}, plain against plain"),
+        ):
+            if sides not in entry:
+                continue
             plain, ours = entry[sides]["plain"], entry[sides]["other"]
             ratio = ours["median_ms"] / plain["median_ms"]
             fast = ours["fastest_decile_ms"] / plain["fastest_decile_ms"]
@@ -176,15 +198,17 @@ def table(results: dict) -> str:
                 f"{plain['median_ms']:.3f} | {ours['median_ms']:.3f} | {ratio:.4f}x | "
                 f"{low:.4f}-{high:.4f} | {plain['fastest_decile_ms']:.3f} | "
                 f"{ours['fastest_decile_ms']:.3f} | {fast:.4f}x | "
-                f"{verdict if sides == 'gcpatch' else 'the noise'} |"
+                f"{verdict if sides != 'control' else 'the noise'} |"
             )
     lines += ["", "Per interpreter, the second side's median step over plain's:", ""]
     for release, entry in sorted(results.items()):
-        lines.append(
-            f"- {release} ({entry['when']}, {entry['machine']}): gcpatch "
-            f"{entry['gcpatch']['rounds_ratio']}; plain against plain "
-            f"{entry['control']['rounds_ratio']}"
-        )
+        said = {
+            "gcpatch": "gcpatch",
+            "selective": "a user's own context_fn",
+            "control": "plain against plain",
+        }
+        ratios = [f"{said[k]} {entry[k]['rounds_ratio']}" for k in said if k in entry]
+        lines.append(f"- {release} ({entry['when']}, {entry['machine']}): " + "; ".join(ratios))
     return "\n".join(lines) + "\n"
 
 
@@ -192,4 +216,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=1000, help="plain/second step pairs each")
     parser.add_argument("--rounds", type=int, default=3, help="interpreters per release")
+    parser.add_argument(
+        "--sides",
+        default="gcpatch,control",
+        help="comma-separated, of gcpatch, control, selective (a user's own context_fn)",
+    )
     main(parser, measure, table, RESULTS, TABLE)

@@ -37,6 +37,9 @@ class Measured:
     tokens: list[int] = field(default_factory=list)
     batch: int = 0
     seconds: float = 0.0  # what measuring took
+    # keeping the matmuls: its cost over a whole layer's recompute, or why it is not offered
+    share: float | None = None
+    not_offered: str | None = None
 
     @property
     def plain_total(self) -> float:
@@ -90,7 +93,7 @@ def measure(
     seconds = _averaged(seconds, kinds, [p[timed_at] for p in plain], [c[timed_at] for c in ckpt])
     # the selective option's cost, as a share of checkpointing whole, at the timed shape (the
     # attention kernel a shape gets, and its share of a layer, change with rows and tokens)
-    share = selective.ratio(model, layers, run(*timed_at))
+    share = selective.ratio(layers, run(*timed_at))
     offered = [selective.available(m) for m in layers]
     kept_seconds = [
         s * share if share is not None and ok else None for s, ok in zip(seconds, offered)
@@ -116,6 +119,8 @@ def measure(
         tokens=list(lengths),
         batch=batch,
         seconds=time.perf_counter() - start,
+        share=share,
+        not_offered=selective.not_offered(layers),
     )
 
 

@@ -178,6 +178,7 @@ def _measure(
             "seconds": measured.seconds,
             "outside_bytes": measured.outside,
             "note": note,
+            "keep_matmuls": {"share": measured.share, "not_offered": measured.not_offered},
             "layers": [
                 {
                     "plain_bytes": c.plain,
@@ -295,6 +296,9 @@ def _details(outcome: dict) -> list[str]:
         f" layers {size(measured['outside_bytes'])}"
         + (f"; {measured['note']}" if measured.get("note") else "")
     ]
+    keep = measured.get("keep_matmuls")
+    if keep:
+        out.append(_keep_matmuls(keep))
     for i, layer in enumerate(measured["layers"]):
         out.append(
             f"layer {i}: {'checkpointed' if i < len(flags) and flags[i] else 'plain'}; holds "
@@ -302,6 +306,21 @@ def _details(outcome: dict) -> list[str]:
             f"checkpointed; recompute {layer['recompute_s'] * 1e3:.3g} ms"
         )
     return out
+
+
+def _keep_matmuls(keep: dict) -> str:
+    """What the lever between plain and whole measured, or why it was not there to choose."""
+    if keep["not_offered"]:
+        return f"keeping the matmuls: not offered, {keep['not_offered']}"
+    if keep["share"] is None:
+        return (
+            "keeping the matmuls: not chosen, its cost could not be told on this clock (or its"
+            " policy kept nothing); whole layers only"
+        )
+    return (
+        f"keeping the matmuls: costs {keep['share']:.2f} of a whole layer's recompute (measured"
+        " on one layer)"
+    )
 
 
 class Confirmation:

@@ -70,6 +70,22 @@ def offered(func: Any) -> bool:
     )
 
 
+def not_offered(layers: list[Any]) -> str | None:
+    """Why no layer offers the lever, said to the user (None where one does)."""
+    funcs = [own(getattr(m, "_gradient_checkpointing_func", None)) for m in layers]
+    if any(offered(f) for f in funcs):
+        return None
+    partials = [f for f in funcs if isinstance(f, functools.partial)]
+    if any(CONTEXT_FN in f.keywords for f in partials):
+        return "the user's own context_fn stands as given"
+    if any(f.keywords.get("use_reentrant") is not False for f in partials):
+        return (
+            "reentrant checkpointing, which selective checkpointing cannot run under"
+            " (use_reentrant=False offers it)"
+        )
+    return "the layers' checkpoint function takes no context_fn"
+
+
 def own(func: Any) -> Any:
     """The layer's own function where `func` is it keeping matmuls (a copy of a planned model
     carries the kept one)."""
@@ -113,7 +129,7 @@ def switched(layers: list[Any], policies: list[KeepMatmuls | None]) -> Iterator[
                     setattr(m, name, value)
 
 
-def ratio(model: Any, layers: list[Any], forward: Callable[[], Any]) -> float | None:
+def ratio(layers: list[Any], forward: Callable[[], Any]) -> float | None:
     """What keeping the matmuls costs a step against checkpointing whole, measured on one layer
     (the first that offers it; its kind's kernels are the others'): called alone on the inputs
     it got in `forward` (the model's forward on the batch's slice, with every layer plain), its

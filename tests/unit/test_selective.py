@@ -1,7 +1,8 @@
 """The budget's finer lever (gcpatch/step/selective.py): a layer checkpointed keeping its matrix
 multiplies' outputs. On a real tiny Llama with dropout: the gradients are those without
 checkpointing, the policy really keeps outputs, and the backward recomputes no matmul; a layer
-planned with it whose policy keeps nothing falls back to whole checkpointing, said once."""
+planned with it whose policy keeps nothing falls back to whole checkpointing, said once; its cost
+is measured on one layer called alone, from the modes' medians where the clock can tell."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from gcpatch.budget import parse  # noqa: E402
-from gcpatch.step import selective, shapes  # noqa: E402
+from gcpatch.step import planner, selective, shapes  # noqa: E402
 from gcpatch.step.cost_model import CostModel, Curve  # noqa: E402
 
 
@@ -70,10 +71,28 @@ def test_a_reentrant_layer_or_a_users_own_context_fn_is_not_offered_the_lever():
     own = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, context_fn=id)
     layer._gradient_checkpointing_func = own
     assert not selective.available(layer)  # the user's selective checkpointing stands as given
+    user = selective.not_offered([layer])
     layer._gradient_checkpointing_func = functools.partial(
         torch.utils.checkpoint.checkpoint, use_reentrant=True
     )
     assert not selective.available(layer)  # selective checkpointing needs non-reentrant
+    reentrant = selective.not_offered([layer])
+    assert selective.not_offered(list(model.model.layers)[1:]) is None  # the others offer it
+    # what the budget's record says of the lever (`gcpatch explain`)
+    said = [
+        planner._keep_matmuls({"share": None, "not_offered": reason})
+        for reason in (user, reentrant)
+    ]
+    assert said == [
+        "keeping the matmuls: not offered, the user's own context_fn stands as given",
+        "keeping the matmuls: not offered, reentrant checkpointing, which selective checkpointing"
+        " cannot run under (use_reentrant=False offers it)",
+    ]
+    measured = planner._keep_matmuls({"share": 0.19, "not_offered": None})
+    assert (
+        measured
+        == "keeping the matmuls: costs 0.19 of a whole layer's recompute (measured on one layer)"
+    )
 
 
 def _costs(layers: int) -> CostModel:
@@ -165,7 +184,7 @@ def test_the_share_is_measured_on_one_layer_called_alone_and_touches_no_grad():
         lambda m, a: calls.append(m.gradient_checkpointing)
     )
     with FlopCounterMode(display=False):
-        share = selective.ratio(model, layers, lambda: model(input_ids=ids))
+        share = selective.ratio(layers, lambda: model(input_ids=ids))
     handle.remove()
     # the capturing forward, then the warm-up and measured rounds: plain, whole, keep each time
     modes = [False] + [False, True, True] * (1 + selective.ROUNDS)
