@@ -1,14 +1,21 @@
-"""GCPATCH_MEMORY_BUDGET's benchmark: a budget sweep (0.1 ... 1.0) on 8- and 16-layer Llamas at two
-sequence lengths, comparing the activation bytes one step holds and its step time for
-  gcpatch    the plan gcpatch chose for the budget (the real path: the variable set, the user's enable)
+"""GCPATCH_MEMORY_BUDGET's benchmark: a budget sweep on Llamas (hidden 256 by default), comparing the
+activation bytes one step holds, the matmul FLOPs its backward recomputes and its step time for
+  gcpatch    the plan gcpatch chose for the budget (the real path: the variable set, the user's
+             enable), per layer plain, checkpointed keeping its matmuls, or checkpointed whole
   full       every layer checkpointed (`gradient_checkpointing_enable()` without gcpatch's budget)
   every_n    the best `every_n_layers` by hand: the largest n whose step meets the budget (n=1 if none)
+  selective  torch's selective checkpointing by hand on every layer: a `context_fn` from
+             `create_selective_checkpoint_contexts` saving the matmuls' and attention kernels'
+             outputs (what Megatron-LM and torchtitan call selective recompute)
   compile    torch.compile's activation_memory_budget at the same budget (the min-cut partitioner)
 
     python benchmarks/memory_budget.py            # writes benchmarks/MEMORY_BUDGET.md, memory_budget.json/.png
+    python benchmarks/memory_budget.py --configs 8x1024 --budgets 0.3,0.5,0.7
     python benchmarks/memory_budget.py --quick --out /tmp/x   # one small model, two budgets, no compile
 
 Run it with an interpreter that has gcpatch, transformers and (for the plot) matplotlib installed.
+FLOPs recomputed: torch.utils.flop_counter over one backward (matmuls and attention), less the
+backward without checkpointing's, over the same for full checkpointing.
 Bytes held: for the eager variants, every storage an operator allocated in the forward that is
 still alive after it (gcpatch/step/held.py's instrument), over the same for no checkpointing.
 torch.compile's kernels run outside that instrument: its bytes are the distinct storages its
@@ -35,9 +42,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BUDGETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
-CONFIGS = [(8, 256), (8, 512), (16, 256), (16, 512)]
+CONFIGS = [(8, 1024), (16, 1024)]
 QUICK = {"budgets": [0.5, 1.0], "configs": [(4, 32)], "compile": False}
-HIDDEN, BATCH, VOCAB = 128, 2, 256
+HIDDEN, BATCH, VOCAB = 256, 2, 256
 STEPS = 7
 TOLERANCE = 0.05
 
@@ -51,7 +58,7 @@ def model(layers: int):
         LlamaConfig(
             vocab_size=VOCAB,
             hidden_size=HIDDEN,
-            intermediate_size=344,
+            intermediate_size=HIDDEN * 43 // 16,  # 688 at 256: Llama's ratio, a multiple of 8
             num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
@@ -93,6 +100,18 @@ def saved(fn) -> int:
     return sum(seen.values())
 
 
+def recomputed(m, ids) -> int:
+    """The FLOPs of one backward (matmuls and attention, torch.utils.flop_counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    loss = m(input_ids=ids, labels=ids).loss
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss.backward()
+    m.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
 def step(m, ids) -> float:
     """CPU seconds of this thread, the one torch computes on (one intra-op thread): the other
     jobs of a shared machine take wall time, not this thread's CPU time."""
@@ -125,6 +144,36 @@ def every_n(layers: int, n: int):
     return m
 
 
+def selective(layers: int):
+    """torch's selective checkpointing by hand, as a user writes it: every layer checkpointed,
+    saving the outputs of the matmuls and the fused attention kernels, recomputing the rest."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    ops = [getattr(aten, name).default for name in names if hasattr(aten, name)]
+    m = model(layers)
+    m.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={
+            "use_reentrant": False,
+            "context_fn": functools.partial(create_selective_checkpoint_contexts, ops),
+        }
+    )
+    return m
+
+
 def gcpatch_plan(layers: int, budget: float, ids):
     """The real path: the variable set, the user's enable; the plan is made at the first forward."""
     from gcpatch import record
@@ -146,7 +195,10 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
     ids = torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
     plain = model(layers)
     full = every_n(layers, 1)
+    by_hand = selective(layers)
     plain_held, full_held = held(plain, ids), held(full, ids)
+    flops = {"plain": recomputed(plain, ids), "full": recomputed(full, ids)}
+    flops["selective"] = recomputed(by_hand, ids)
     plain_saved = saved(lambda: plain(input_ids=ids, labels=ids).loss)
     # n = 0: no layer checkpointed (what a budget of the whole no-checkpointing step allows)
     by_n = {0: plain_held, **{n: held(every_n(layers, n), ids) for n in range(1, layers + 1)}}
@@ -157,6 +209,8 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
         "full_bytes": full_held,
         "plain_saved_bytes": plain_saved,
         "every_n_bytes": by_n,
+        "selective_bytes": held(by_hand, ids),
+        "flops": flops,
         "budgets": {},
     }
     compiled_ref = None
@@ -171,6 +225,7 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
             "full": full,
             "gcpatch": ours,
             "every_n": every_n(layers, n_best),
+            "selective": by_hand,
         }
         times = timed(variants, ids)
         row = {
@@ -178,6 +233,13 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
             "limit_bytes": limit,
             "every_n": n_best,
             "gcpatch_checkpointed": entry["budget"]["plan"]["checkpointed"],
+            "gcpatch_modes": entry["budget"]["plan"]["modes"],
+            # what keeping the matmuls measured: its cost over a whole layer's recompute
+            "keep_share": entry["budget"]["measured"].get("keep_matmuls", {}).get("share"),
+            "flops": {
+                "gcpatch": recomputed(ours, ids),
+                "every_n": recomputed(variants["every_n"], ids),
+            },
             "gcpatch_line": entry["line"],
             "gcpatch_measuring_s": entry["budget"]["measured"]["seconds"],
             "bytes": {
@@ -194,13 +256,15 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
                 compiled_ref = row["compile"]
         out["budgets"][str(budget)] = row
         print(
-            f"L={layers} seq={seq} budget={budget}: gcpatch {row['gcpatch_checkpointed']}/{layers} "
+            f"L={layers} seq={seq} budget={budget}: gcpatch {_modes(row['gcpatch_modes'])} "
             f"held {row['bytes']['gcpatch'] / plain_held:.3f} time {times['gcpatch'] / times['plain']:.3f} | full "
             f"time {times['full'] / times['plain']:.3f} | every_n={n_best} {by_n[n_best] / plain_held:.3f} "
             f"{times['every_n'] / times['plain']:.3f}"
             + (f" | compile {row['compile']}" if with_compile else ""),
             flush=True,
         )
+    if with_compile and compiled_ref is None:  # its times are over its own budget-1.0 run
+        compiled_ref = compiled(layers, 1.0, ids)
     out["compile_reference"] = compiled_ref
     return out
 
@@ -233,10 +297,19 @@ def summarise(raw: dict) -> list[dict]:
                 "budget": row["budget"],
                 "n": row["every_n"],
                 "k": row["gcpatch_checkpointed"],
+                "modes": _modes(row.get("gcpatch_modes")),
+                "keep_share": row.get("keep_share"),
             }
             for v in ("gcpatch", "full", "every_n"):
                 r[f"{v}_bytes"] = row["bytes"][v] / plain_b
                 r[f"{v}_time"] = row["seconds"][v] / plain_s
+            if "selective" in row["seconds"]:
+                r["selective_bytes"] = cfg["selective_bytes"] / plain_b
+                r["selective_time"] = row["seconds"]["selective"] / plain_s
+                flops = {**cfg["flops"], **row["flops"]}
+                extra = flops["full"] - flops["plain"]
+                for v in ("gcpatch", "every_n", "selective"):
+                    r[f"{v}_flops"] = (flops[v] - flops["plain"]) / extra if extra else None
             if "compile" in row:
                 r["compile_bytes"] = row["compile"]["saved_bytes"] / cfg["plain_saved_bytes"]
                 r["compile_time"] = row["compile"]["seconds"] / ref["seconds"] if ref else None
@@ -246,6 +319,14 @@ def summarise(raw: dict) -> list[dict]:
             )
             rows.append(r)
     return rows
+
+
+def _modes(modes: list[str] | None) -> str:
+    """Whole / keeping their matmuls / plain, counted: `2W 6K 0P`."""
+    if modes is None:
+        return "-"
+    count = {mode: modes.count(mode) for mode in ("full", "keep-matmuls", "plain")}
+    return f"{count['full']}W {count['keep-matmuls']}K {count['plain']}P"
 
 
 def write(raw: dict, out: Path, quick: bool) -> None:
@@ -260,20 +341,30 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         f"the compute thread). Llama, hidden {HIDDEN}, batch {BATCH}, vocab {VOCAB}, fp32, CPU.",
         "",
         "- bytes: what one step's forward holds for its backward / the same without checkpointing;",
+        "- FLOPs: matmul and attention FLOPs the backward recomputes / what full checkpointing "
+        "recomputes (torch.utils.flop_counter);",
+        "- gcpatch's layers: `W` checkpointed whole, `K` checkpointed keeping their matmuls' and "
+        "attention kernels' outputs, `P` plain; `K cost`: what keeping measured at the first step, "
+        "over a whole layer's recompute (the solver's input);",
+        "- selective: torch's selective checkpointing by hand on every layer (a `context_fn` saving "
+        "matmuls and attention kernels);",
         f"- time: step (forward + backward) / no checkpointing, median of {STEPS} steps (thread CPU time), "
         "variants interleaved;",
-        "- `k`: layers gcpatch checkpoints; `n`: the best `every_n_layers` by hand, the largest whose step "
-        "meets the budget (0: no checkpointing meets it, 1: full checkpointing when none does);",
+        "- `n`: the best `every_n_layers` by hand, the largest whose step meets the budget (0: no "
+        "checkpointing meets it, 1: full checkpointing when none does);",
         "- torch.compile: `activation_memory_budget` at the same budget, saved bytes over eager's saved bytes, "
         "time over its own budget-1.0 run (see the script's docstring);",
         "- a budget below full checkpointing's floor is met by full checkpointing (gcpatch says so in one line).",
         "",
     ]
     head = (
-        "| layers | seq | budget | k | gcpatch bytes | gcpatch time | full bytes | full time | n | every_n bytes "
-        "| every_n time |"
+        "| layers | seq | budget | gcpatch layers | K cost | gcpatch bytes | gcpatch time | gcpatch FLOPs "
+        "| full bytes | full time | n | every_n bytes | every_n time | every_n FLOPs |"
     )
-    sep = "|---|---|---|---|---|---|---|---|---|---|---|"
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    if any("selective_bytes" in r for r in rows):
+        head += " selective bytes | selective time | selective FLOPs |"
+        sep += "---|---|---|"
     if any("compile_bytes" in r for r in rows):
         head += " compile bytes | compile time |"
         sep += "---|---|"
@@ -281,10 +372,17 @@ def write(raw: dict, out: Path, quick: bool) -> None:
     for r in rows:
         over = "" if r["met"] else " (over)"
         line = (
-            f"| {r['layers']} | {r['seq']} | {r['budget']:.1f} | {r['k']} | {r['gcpatch_bytes']:.3f}{over} | "
-            f"{r['gcpatch_time']:.3f} | {r['full_bytes']:.3f} | {r['full_time']:.3f} | {r['n']} | "
-            f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} |"
+            f"| {r['layers']} | {r['seq']} | {r['budget']:.1f} | {r['modes']} | "
+            f"{_share(r.get('keep_share'))} | "
+            f"{r['gcpatch_bytes']:.3f}{over} | {r['gcpatch_time']:.3f} | {_share(r.get('gcpatch_flops'))} | "
+            f"{r['full_bytes']:.3f} | {r['full_time']:.3f} | {r['n']} | "
+            f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} | {_share(r.get('every_n_flops'))} |"
         )
+        if "selective_bytes" in r:
+            line += (
+                f" {r['selective_bytes']:.3f} | {r['selective_time']:.3f} |"
+                f" {_share(r.get('selective_flops'))} |"
+            )
         if "compile_bytes" in r:
             compile_time = f"{r['compile_time']:.3f}" if r["compile_time"] else "-"
             line += f" {r['compile_bytes']:.3f} | {compile_time} |"
@@ -300,13 +398,26 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         if abs(r["budget"] - 0.5) < 1e-9:
             ours, full = r["gcpatch_time"] - 1, r["full_time"] - 1
             verdict = "at most" if ours <= full / 2 else "MORE than"
+            flops = r.get("gcpatch_flops")
+            said = (
+                ""
+                if flops is None
+                else (
+                    f"; FLOPs recomputed {flops:.3f} of full checkpointing's "
+                    f"({'at most' if flops <= 0.35 else 'MORE than'} 0.35)"
+                )
+            )
             lines.append(
-                f"- {r['layers']} layers, seq {r['seq']}, budget 0.5: {r['k']} of {r['layers']} layers "
-                f"recomputed, step-time overhead {ours:+.1%} (full checkpointing {full:+.1%}): {verdict} half "
-                "of full checkpointing's"
+                f"- {r['layers']} layers, seq {r['seq']}, budget 0.5: layers {r['modes']}, step-time "
+                f"overhead {ours:+.1%} (full checkpointing {full:+.1%}): {verdict} half of full "
+                f"checkpointing's{said}"
             )
     lines += ["", f"Plot: `memory_budget.png` ({raw.get('plot', '')}).", ""]
     (out / "MEMORY_BUDGET.md").write_text("\n".join(lines))
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def plot(raw: dict, path: Path) -> str:
@@ -369,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--configs", help="layers x tokens, comma-separated: 8x1024,16x1024")
+    parser.add_argument("--budgets", help="comma-separated: 0.3,0.5,0.7")
     parser.add_argument(
         "--from-json", type=Path, help="rewrite the table and plot from a run's memory_budget.json"
     )
@@ -387,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     budgets = QUICK["budgets"] if args.quick else BUDGETS
     configs = QUICK["configs"] if args.quick else CONFIGS
+    if args.budgets:
+        budgets = [float(b) for b in args.budgets.split(",")]
+    if args.configs:
+        configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
     with_compile = not args.quick and not args.no_compile
     raw = {
         "machine": f"{platform.machine()} {platform.processor() or platform.system()}",

@@ -8,6 +8,7 @@ of (bytes shed, recompute) and checked against exhaustive search in tests/unit/t
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -15,6 +16,12 @@ PLAIN, KEEP_MATMULS, FULL = "plain", "keep-matmuls", "full"
 # Beyond this many Pareto points (distinct sums of bytes shed) the exact search is cut short: the
 # cheapest-per-byte layers are taken instead, and the plan says so. Identical layers give n + 1.
 MAX_FRONT = 20000
+# Plans whose measured recompute is within this share of full checkpointing's of the cheapest are
+# one price on this clock: the lever's measured cost moved by more between runs on a shared CPU
+# (keeping the matmuls measured 0.16 to 0.35 of a whole layer for one model). Among them the plan
+# recomputing the fewest layers whole wins: the matmul FLOPs it recomputes do not move with the
+# clock (`_fewest_whole`).
+SLACK = 0.05
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,9 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
     """The plan holding at most `limit` bytes with the least recompute (ties: fewer bytes held);
     a limit below the floor gives every layer checkpointed whole. Each layer's options
     (`LayerCost.options`) make it a multiple-choice knapsack, solved exactly over the Pareto front
-    of (bytes shed, seconds)."""
+    of (bytes shed, seconds). Where a layer may keep its matmuls, the plans within SLACK of full
+    checkpointing's recompute of the cheapest count as one price, and the one recomputing the
+    fewest layers whole among them is taken."""
     plain_total = outside + sum(layer.plain for layer in layers)
     floor = outside + sum(min(layer.plain, layer.checkpointed) for layer in layers)
     full_s = sum(layer.seconds for layer in layers if layer.shed > 0)
@@ -109,6 +118,11 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
         if found is None:
             exact = False
             found = _greedy_cover(layers, need)
+        elif any(
+            layer.options()[1:2] and layer.options()[1][0] == KEEP_MATMULS for layer in layers
+        ):
+            cheapest = sum(_seconds(layers[i], mode) for i, mode in found)
+            found = _fewest_whole(layers, need, cheapest + SLACK * full_s) or found
         for i, mode in found:
             modes[i] = mode
         modes = _spread(layers, modes)
@@ -165,6 +179,78 @@ def _cheapest_cover(layers: Sequence[LayerCost], need: float) -> list[tuple[int,
     return list(best[2]) if best is not None else None
 
 
+def _seconds(layer: LayerCost, mode: str) -> float:
+    return {PLAIN: 0.0, KEEP_MATMULS: layer.kept_seconds, FULL: layer.seconds}[mode]
+
+
+def _fewest_whole(
+    layers: Sequence[LayerCost], need: float, bound: float
+) -> list[tuple[int, str]] | None:
+    """Exact: among the choices shedding at least `need` bytes within `bound` seconds, the one
+    whose whole layers' recompute is least (ties: fewer seconds). Interchangeable layers are one
+    group (`_groups`), chosen by how many of them run whole and how many keep their matmuls; the
+    states kept between groups are those no other beats on seconds and whole recompute at the
+    same bytes shed. None when they outgrow MAX_FRONT."""
+    # a state: (bytes shed, seconds, whole seconds, (whole, kept) per group)
+    states: list[tuple[float, float, float, tuple]] = [(0.0, 0.0, 0.0, ())]
+    groups = list(_groups(layers).values())
+    for members in groups:
+        options = {mode: (more, cost) for mode, more, cost in layers[members[0]].options()[1:]}
+        full_shed, full_s = options.get(FULL, (0.0, 0.0))
+        kept_shed, kept_s = options.get(KEEP_MATMULS, (0.0, 0.0))
+        most_whole = len(members) if FULL in options else 0
+        grown = []
+        for shed, seconds, whole, picked in states:
+            for w in range(most_whole + 1):
+                most_kept = len(members) - w if KEEP_MATMULS in options else 0
+                for k in range(most_kept + 1):
+                    cost = seconds + w * full_s + k * kept_s
+                    if cost > bound + 1e-12:
+                        break
+                    grown.append(
+                        (
+                            shed + w * full_shed + k * kept_shed,
+                            cost,
+                            whole + w * full_s,
+                            (*picked, (w, k)),
+                        )
+                    )
+        states = _undominated(grown, need)
+        if len(states) > MAX_FRONT:
+            return None
+    covering = [st for st in states if st[0] >= need]
+    if not covering:
+        return None
+    best = min(covering, key=lambda st: (st[2], st[1], -st[0]))
+    out = []
+    for members, (w, k) in zip(groups, best[3]):
+        out += [(i, FULL) for i in members[:w]] + [(i, KEEP_MATMULS) for i in members[w : w + k]]
+    return out
+
+
+def _undominated(
+    states: list[tuple[float, float, float, tuple]], need: float
+) -> list[tuple[float, float, float, tuple]]:
+    """The states no other beats on bytes shed (up to `need`: beyond it all cover), seconds and
+    whole recompute at once: taken by bytes shed, most first, each kept only where no state
+    shedding as much is as cheap on both (a staircase of seconds against whole recompute)."""
+    out: list[tuple[float, float, float, tuple]] = []
+    stair_s: list[float] = []  # seconds, rising
+    stair_w: list[float] = []  # the least whole recompute at those seconds or fewer, falling
+    for state in sorted(states, key=lambda st: (-min(st[0], need), st[1], st[2])):
+        at = bisect.bisect_right(stair_s, state[1])
+        if at and stair_w[at - 1] <= state[2]:
+            continue
+        out.append(state)
+        # the new point, then drop the points it makes redundant (more seconds, no less whole)
+        end = at
+        while end < len(stair_s) and stair_w[end] >= state[2]:
+            end += 1
+        stair_s[at:end] = [state[1]]
+        stair_w[at:end] = [state[2]]
+    return out
+
+
 def _pareto(points: dict[float, tuple[float, Pick]], need: float) -> dict:
     """Drop every point another one beats on both bytes shed and seconds. Sheds beyond `need`
     are all equally good at covering it, so only the cheapest of them matters, and it keeps
@@ -203,19 +289,8 @@ def _spread(layers: Sequence[LayerCost], modes: list[str]) -> list[str]:
     modes costs the same: the whole-layer ones go to every (n/k)-th, so the plan is what
     transformers' `every_n_layers` would pick where it can; the matmul-keeping ones fill in
     after them in order."""
-    groups: dict[tuple, list[int]] = {}
-    for i, layer in enumerate(layers):
-        key = (
-            layer.kind,
-            layer.plain,
-            layer.checkpointed,
-            layer.seconds,
-            layer.kept,
-            layer.kept_seconds,
-        )
-        groups.setdefault(key, []).append(i)
     out = list(modes)
-    for members in groups.values():
+    for members in _groups(layers).values():
         full = sum(modes[i] == FULL for i in members)
         kept = sum(modes[i] == KEEP_MATMULS for i in members)
         spots = [members[(j * len(members)) // full] for j in range(full)] if full else []
@@ -227,3 +302,19 @@ def _spread(layers: Sequence[LayerCost], modes: list[str]) -> list[str]:
         for j in range(kept):
             out[rest[(j * len(rest)) // kept]] = KEEP_MATMULS
     return out
+
+
+def _groups(layers: Sequence[LayerCost]) -> dict[tuple, list[int]]:
+    """Interchangeable layers: the same kind, bytes and seconds."""
+    groups: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(layers):
+        key = (
+            layer.kind,
+            layer.plain,
+            layer.checkpointed,
+            layer.seconds,
+            layer.kept,
+            layer.kept_seconds,
+        )
+        groups.setdefault(key, []).append(i)
+    return groups
