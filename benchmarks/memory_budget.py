@@ -152,18 +152,9 @@ def selective(layers: int):
     import torch
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    aten = torch.ops.aten
-    names = (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    )
-    ops = [getattr(aten, name).default for name in names if hasattr(aten, name)]
+    from gcpatch.step.held import matmul_ops
+
+    ops = sorted(matmul_ops(torch), key=str)  # mm, addmm, bmm, baddbmm, the attention kernels
     m = model(layers)
     m.gradient_checkpointing_enable(
         gradient_checkpointing_kwargs={

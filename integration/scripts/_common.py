@@ -120,6 +120,27 @@ class Batch(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
+def measured_trainer_args(output_dir: str, batch: int, steps: int, checkpointing: bool, **extra):
+    """TrainingArguments for a measured run on CPU: `steps` steps of `batch` rows, seed 11, nothing
+    saved, logged, reported or clipped (the gradients compared are the backward's own)."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        report_to=[],
+        gradient_checkpointing=checkpointing,
+        save_strategy="no",
+        max_grad_norm=0.0,
+        use_cpu=True,
+        logging_strategy="no",
+        seed=11,
+        disable_tqdm=True,
+        **extra,
+    )
+
+
 def trainable_grads(model) -> dict[str, torch.Tensor | None]:
     return {
         name: (None if p.grad is None else p.grad.detach().clone())

@@ -94,7 +94,7 @@ def trainer(args, checkpointing: bool) -> dict:
     forward runs the same matmuls with or without checkpointing, so differences are recompute."""
     import tempfile
 
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     model = lora(build(args), args)
     out = {}
@@ -114,19 +114,8 @@ def trainer(args, checkpointing: bool) -> dict:
             return loss
 
     probe = GradProbe(model, at=3)
-    arguments = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="budget-selective-", dir="."),
-        per_device_train_batch_size=BATCH,
-        max_steps=3,
-        report_to=[],
-        gradient_checkpointing=checkpointing,
-        save_strategy="no",
-        max_grad_norm=0.0,
-        use_cpu=True,
-        logging_strategy="no",
-        seed=11,
-        disable_tqdm=True,
-    )
+    out_dir = tempfile.mkdtemp(prefix="budget-selective-", dir=".")
+    arguments = c.measured_trainer_args(out_dir, BATCH, 3, checkpointing)
     Measuring(
         model=model, args=arguments, train_dataset=c.Batch(ids()), optimizers=(probe, None)
     ).train()

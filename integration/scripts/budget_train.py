@@ -144,7 +144,7 @@ def loop_step(budget):
 
 
 def trainer_step(budget):
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     model = llama()
     held = []
@@ -161,19 +161,7 @@ def trainer_step(budget):
     counter = Recomputes(model)
     probe = StepProbe(model, counter, at=2)
     out = tempfile.mkdtemp(prefix="budget-trainer-", dir=".")  # in the run's own folder
-    args = TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=BATCH,
-        max_steps=2,
-        report_to=[],
-        gradient_checkpointing=budget is not None,
-        save_strategy="no",
-        max_grad_norm=0.0,
-        use_cpu=True,
-        logging_strategy="no",
-        seed=11,
-        disable_tqdm=True,
-    )
+    args = c.measured_trainer_args(out, BATCH, 2, budget is not None)
     MeasuringTrainer(
         model=model, args=args, train_dataset=c.Batch(ids()), optimizers=(probe, None)
     ).train()

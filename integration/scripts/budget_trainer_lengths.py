@@ -82,20 +82,8 @@ def train(checkpointing: bool) -> list[dict]:
     else:
         grouping = {"train_sampling_strategy": "group_by_length"}
     out = tempfile.mkdtemp(prefix="budget-lengths-", dir=".")  # in the run's own folder
-    args = TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=2,
-        max_steps=len(LENGTHS) // 2,
-        **grouping,
-        report_to=[],
-        gradient_checkpointing=checkpointing,
-        save_strategy="no",
-        max_grad_norm=0.0,
-        use_cpu=True,
-        logging_strategy="no",
-        seed=11,
-        disable_tqdm=True,
-        remove_unused_columns=False,
+    args = c.measured_trainer_args(
+        out, 2, len(LENGTHS) // 2, checkpointing, remove_unused_columns=False, **grouping
     )
     Measuring(
         model=model, args=args, train_dataset=Rows(), data_collator=pad, optimizers=(probe, None)

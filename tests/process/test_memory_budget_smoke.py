@@ -49,8 +49,6 @@ def test_memory_budget_benchmark_quick(tmp_path):
         rows["1.0"]["gcpatch_checkpointed"] == 0
     )  # the whole no-checkpointing step fits: nothing recomputed
     half = rows["0.5"]
-    assert (
-        0 < half["gcpatch_checkpointed"] < 4
-        and half["bytes"]["gcpatch"] <= 0.5 * 1.05 * half["bytes"]["plain"]
-    )
+    assert 0 < half["gcpatch_checkpointed"] and half["gcpatch_modes"] != ["full"] * 4, half
+    assert half["bytes"]["gcpatch"] <= 0.5 * 1.05 * half["bytes"]["plain"]
     assert "| 4 | 32 | 0.5 |" in (tmp_path / "MEMORY_BUDGET.md").read_text()
