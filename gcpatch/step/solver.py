@@ -118,9 +118,7 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
         if found is None:
             exact = False
             found = _greedy_cover(layers, need)
-        elif any(
-            layer.options()[1:2] and layer.options()[1][0] == KEEP_MATMULS for layer in layers
-        ):
+        elif any(mode == KEEP_MATMULS for layer in layers for mode, _, _ in layer.options()):
             cheapest = sum(_seconds(layers[i], mode) for i, mode in found)
             found = _fewest_whole(layers, need, cheapest + SLACK * full_s) or found
         for i, mode in found:
@@ -189,8 +187,8 @@ def _fewest_whole(
     """Exact: among the choices shedding at least `need` bytes within `bound` seconds, the one
     whose whole layers' recompute is least (ties: fewer seconds). Interchangeable layers are one
     group (`_groups`), chosen by how many of them run whole and how many keep their matmuls; the
-    states kept between groups are those no other beats on seconds and whole recompute at the
-    same bytes shed. None when they outgrow MAX_FRONT."""
+    states kept between groups are those no other shedding as much beats on both seconds and
+    whole recompute (`_undominated`). None when they outgrow MAX_FRONT."""
     # a state: (bytes shed, seconds, whole seconds, (whole, kept) per group)
     states: list[tuple[float, float, float, tuple]] = [(0.0, 0.0, 0.0, ())]
     groups = list(_groups(layers).values())
