@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -27,8 +26,11 @@ from typing import Any, Callable, Iterator
 from gcpatch.step.held import matmul_ops
 
 CONTEXT_FN = "context_fn"
-# measured rounds of plain, whole and keep on one layer, interleaved, after one warm-up round
-ROUNDS = 5
+# the keyword names a decoder layer's key/value cache goes by across transformers' generations
+CACHES = ("past_key_values", "past_key_value", "layer_past", "cache")
+# measured rounds of plain, whole and keep on one layer, interleaved, after one warm-up round; on a
+# machine too loaded to tell whole from plain in ROUNDS, more, up to MAX_ROUNDS
+ROUNDS, MAX_ROUNDS = 5, 15
 
 
 class KeepMatmuls:
@@ -135,8 +137,9 @@ def ratio(layers: list[Any], forward: Callable[[], Any]) -> float | None:
     it got in `forward` (the model's forward on the batch's slice, with every layer plain), its
     forward and backward (`torch.autograd.grad` on its input and trainable parameters: no `.grad`
     is touched) plain, checkpointed whole and keeping its matmuls, interleaved, after a warm-up
-    round; (keep - plain) / (whole - plain) of each mode's median (`_share`), in the process's CPU
-    time on a CPU (other jobs on a shared machine do not count). One layer, not the model's step:
+    round; (keep - plain) / (whole - plain) of each mode's fastest time (`_share`), in the
+    process's CPU time on a CPU (other jobs on a shared machine do not count), with more rounds
+    while the clock cannot tell whole from plain. One layer, not the model's step:
     a step's time on a shared CPU moves by more than a layer's recompute, and a big plain step
     pays for its own memory, so steps told the lever's cost by chance. The policy's Python call
     per op is in it, so a device where that outweighs the recompute saved gets a ratio that makes
@@ -172,20 +175,24 @@ def ratio(layers: list[Any], forward: Callable[[], Any]) -> float | None:
                 torch.cuda.synchronize()
             return clock() - start
 
+    for mode in modes:  # a warm-up round, not counted
+        step(mode)
     samples: dict[str, list[float]] = {mode: [] for mode in modes}
-    for round_ in range(1 + ROUNDS):  # the first round warms up and is not counted
+    share = None
+    for round_ in range(1, MAX_ROUNDS + 1):
         for mode in modes:
-            took = step(mode)
-            if round_:
-                samples[mode].append(took)
-    if not policy.kept:
-        return None
-    return _share(samples)
+            samples[mode].append(step(mode))
+        if round_ >= ROUNDS:
+            share = _share(samples)
+            if share is not None:
+                break
+    return share if policy.kept else None
 
 
 def _first_call(torch: Any, layer: Any, forward: Callable[[], Any]) -> tuple | None:
     """The positional and keyword arguments of the layer's first call in `forward` (run without
-    a graph), and the position of its hidden states (its first floating-point tensor)."""
+    a graph; its cache, if any, taken out), and the position of its hidden states (its first
+    floating-point tensor)."""
     calls: list[tuple] = []
 
     def hook(module: Any, args: tuple, kwargs: dict) -> None:
@@ -201,6 +208,13 @@ def _first_call(torch: Any, layer: Any, forward: Callable[[], Any]) -> tuple | N
     if not calls:
         return None
     args, kwargs = calls[0]
+    # no cache: a layer called again would append to the one the forward built, whose tensors
+    # then carry the previous call's graph into the next
+    for name, value in kwargs.items():
+        if name in CACHES or "Cache" in type(value).__name__:
+            kwargs[name] = None
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
     if "hidden_states" in kwargs and not args:
         args, kwargs = (kwargs.pop("hidden_states"),), kwargs
     at = next(
@@ -211,17 +225,17 @@ def _first_call(torch: Any, layer: Any, forward: Callable[[], Any]) -> tuple | N
 
 
 def _share(samples: dict[str, list[float]]) -> float | None:
-    """(keep - plain) / (whole - plain) of each mode's median, where the clock can tell: the
-    recompute (whole's median less plain's) must exceed the clock's own noise (half the widest
-    spread of one mode's times). On a loaded machine, or a layer whose recompute is too short to
-    time, it cannot, and None keeps the plan to whole layers rather than a lever chosen by chance;
-    medians keep one lucky or unlucky round from deciding."""
-    median = {mode: statistics.median(times) for mode, times in samples.items()}
-    noise = max(max(times) - min(times) for times in samples.values()) / 2
-    recompute = median["whole"] - median["plain"]
+    """(keep - plain) / (whole - plain) of each mode's fastest time, where the clock can tell: the
+    recompute (whole's fastest less plain's) must exceed the clock's own noise (the widest gap
+    between a mode's two fastest times). A shared machine only adds to a time, so the fastest is
+    the truest; a loaded machine, or a layer whose recompute is too short to time, cannot tell
+    them apart, and None keeps the plan to whole layers rather than a lever chosen by chance."""
+    fastest = {mode: sorted(times)[:2] for mode, times in samples.items()}
+    noise = max(two[-1] - two[0] for two in fastest.values())
+    recompute = fastest["whole"][0] - fastest["plain"][0]
     if recompute <= noise:
         return None
-    return max(0.0, median["keep"] - median["plain"]) / recompute
+    return max(0.0, fastest["keep"][0] - fastest["plain"][0]) / recompute
 
 
 @contextlib.contextmanager
