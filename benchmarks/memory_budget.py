@@ -100,7 +100,7 @@ def saved(fn) -> int:
     return sum(seen.values())
 
 
-def recomputed(m, ids) -> int:
+def backward_flops(m, ids) -> int:
     """The FLOPs of one backward (matmuls and attention, torch.utils.flop_counter)."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -188,8 +188,8 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
     full = every_n(layers, 1)
     by_hand = selective(layers)
     plain_held, full_held = held(plain, ids), held(full, ids)
-    flops = {"plain": recomputed(plain, ids), "full": recomputed(full, ids)}
-    flops["selective"] = recomputed(by_hand, ids)
+    flops = {"plain": backward_flops(plain, ids), "full": backward_flops(full, ids)}
+    flops["selective"] = backward_flops(by_hand, ids)
     plain_saved = saved(lambda: plain(input_ids=ids, labels=ids).loss)
     # n = 0: no layer checkpointed (what a budget of the whole no-checkpointing step allows)
     by_n = {0: plain_held, **{n: held(every_n(layers, n), ids) for n in range(1, layers + 1)}}
@@ -228,8 +228,8 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
             # what keeping the matmuls measured: its cost over a whole layer's recompute
             "keep_share": entry["budget"]["measured"].get("keep_matmuls", {}).get("share"),
             "flops": {
-                "gcpatch": recomputed(ours, ids),
-                "every_n": recomputed(variants["every_n"], ids),
+                "gcpatch": backward_flops(ours, ids),
+                "every_n": backward_flops(variants["every_n"], ids),
             },
             "gcpatch_line": entry["line"],
             "gcpatch_measuring_s": entry["budget"]["measured"]["seconds"],
@@ -364,15 +364,15 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         over = "" if r["met"] else " (over)"
         line = (
             f"| {r['layers']} | {r['seq']} | {r['budget']:.1f} | {r['modes']} | "
-            f"{_share(r.get('keep_share'))} | "
-            f"{r['gcpatch_bytes']:.3f}{over} | {r['gcpatch_time']:.3f} | {_share(r.get('gcpatch_flops'))} | "
+            f"{_fraction(r.get('keep_share'))} | "
+            f"{r['gcpatch_bytes']:.3f}{over} | {r['gcpatch_time']:.3f} | {_fraction(r.get('gcpatch_flops'))} | "
             f"{r['full_bytes']:.3f} | {r['full_time']:.3f} | {r['n']} | "
-            f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} | {_share(r.get('every_n_flops'))} |"
+            f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} | {_fraction(r.get('every_n_flops'))} |"
         )
         if "selective_bytes" in r:
             line += (
                 f" {r['selective_bytes']:.3f} | {r['selective_time']:.3f} |"
-                f" {_share(r.get('selective_flops'))} |"
+                f" {_fraction(r.get('selective_flops'))} |"
             )
         if "compile_bytes" in r:
             compile_time = f"{r['compile_time']:.3f}" if r["compile_time"] else "-"
@@ -407,7 +407,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
     (out / "MEMORY_BUDGET.md").write_text("\n".join(lines))
 
 
-def _share(value: float | None) -> str:
+def _fraction(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 

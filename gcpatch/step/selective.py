@@ -216,7 +216,7 @@ def _first_call(torch: Any, layer: Any, forward: Callable[[], Any]) -> tuple | N
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     if "hidden_states" in kwargs and not args:
-        args, kwargs = (kwargs.pop("hidden_states"),), kwargs
+        args = (kwargs.pop("hidden_states"),)
     at = next(
         (i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()),
         None,

@@ -129,17 +129,13 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
         (layer.kept or 0.0) if mode == KEEP_MATMULS else held[mode](layer)
         for layer, mode in zip(layers, modes)
     )
-    seconds = {PLAIN: 0.0}
     return Plan(
         modes=modes,
         limit=limit,
         plain_total=plain_total,
         floor=floor,
         total=total,
-        recompute_s=sum(
-            layer.kept_seconds if mode == KEEP_MATMULS else seconds.get(mode, layer.seconds)
-            for layer, mode in zip(layers, modes)
-        ),
+        recompute_s=sum(_seconds(layer, mode) for layer, mode in zip(layers, modes)),
         full_recompute_s=full_s,
         exact=exact,
         names=[layer.name for layer in layers],
@@ -178,6 +174,7 @@ def _cheapest_cover(layers: Sequence[LayerCost], need: float) -> list[tuple[int,
 
 
 def _seconds(layer: LayerCost, mode: str) -> float:
+    """What running the layer in `mode` adds to the backward."""
     return {PLAIN: 0.0, KEEP_MATMULS: layer.kept_seconds, FULL: layer.seconds}[mode]
 
 

@@ -25,7 +25,7 @@ import warnings
 
 import _common as c
 import torch
-from budget_train import HeldBytes
+from budget_train import HeldBytes, StepProbe
 from torch.utils.flop_counter import FlopCounterMode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,7 +113,7 @@ def trainer(args, checkpointing: bool) -> dict:
             out["flops"] = counter.get_total_flops()
             return loss
 
-    probe = GradProbe(model, at=3)
+    probe = StepProbe(model, None, at=3)
     out_dir = tempfile.mkdtemp(prefix="budget-selective-", dir=".")
     arguments = c.measured_trainer_args(out_dir, BATCH, 3, checkpointing)
     Measuring(
@@ -121,20 +121,6 @@ def trainer(args, checkpointing: bool) -> dict:
     ).train()
     out["grads"], out["modes"] = probe.grads, modes(model)
     return out
-
-
-class GradProbe(torch.optim.SGD):
-    """An lr=0 SGD handed to the Trainer: at its `at`-th step it records the trainable gradients."""
-
-    def __init__(self, model, at: int) -> None:
-        super().__init__([p for p in model.parameters() if p.requires_grad], lr=0.0)
-        self.model, self.at, self.steps, self.grads = model, at, 0, None
-
-    def step(self, closure=None):
-        self.steps += 1
-        if self.steps == self.at:
-            self.grads = c.trainable_grads(self.model)
-        return super().step(closure)
 
 
 def modes(model) -> list[str]:

@@ -170,7 +170,7 @@ def trainer_step(budget):
 
 class StepProbe(torch.optim.SGD):
     """An lr=0 SGD handed to the Trainer: at its `at`-th step it records the trainable gradients
-    and how many layers that step's backward recomputed."""
+    and, given a `counter`, how many layers that step's backward recomputed."""
 
     def __init__(self, model, counter, at: int) -> None:
         super().__init__([p for p in model.parameters() if p.requires_grad], lr=0.0)
@@ -181,7 +181,7 @@ class StepProbe(torch.optim.SGD):
         self.steps += 1
         if self.steps == self.at:
             self.grads = c.trainable_grads(self.model)
-            self.recomputed = self.counter.count
+            self.recomputed = None if self.counter is None else self.counter.count
         return super().step(closure)
 
 
