@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from types import FunctionType
-from typing import Any, NamedTuple
+from types import FunctionType, MethodType
+from typing import Any
 
 # How far the container walks go: a batch of tensors in a list is a few items, not a program.
 _ITEMS = 16
@@ -27,16 +27,23 @@ _DEPTH = 3
 TRACKED, REBUILDABLE, OPAQUE = "", "rebuildable", "opaque"
 
 
-class Reach(NamedTuple):
+class Reach:
     """What a checkpointed function holds besides its positional inputs."""
 
-    modules: tuple[Any, ...] = ()
-    # a tensor that requires grad is bound (partial, closure, default argument)
-    bound_grad: bool = False
-    graph_tensors: int = 0  # ... of which this many have a graph of their own (not leaves)
-    # every such tensor is an argument of the partial itself, or a closure cell or default argument
-    # of the function itself (CK5 can pass it positionally)
-    liftable: bool = False
+    __slots__ = ("modules", "bound_grad", "graph_tensors", "liftable")
+
+    def __init__(
+        self,
+        modules: tuple[Any, ...] = (),
+        # a tensor that requires grad is bound (partial, closure, default argument)
+        bound_grad: bool = False,
+        graph_tensors: int = 0,  # ... of which this many have a graph of their own (not leaves)
+        # every such tensor is an argument of the partial itself, or a closure cell or default
+        # argument of the function itself (CK5 can pass it positionally)
+        liftable: bool = False,
+    ) -> None:
+        self.modules, self.bound_grad = modules, bound_grad
+        self.graph_tensors, self.liftable = graph_tensors, liftable
 
 
 NOTHING = Reach()
@@ -216,6 +223,12 @@ def _holds_tensor(value: Any, tensor: type, depth: int) -> bool:
     return False
 
 
+# The classes known to define none of `__self__`, `__func__`, `__code__`: their instances are keyed
+# by their class without asking each (nn.Module's __getattr__ made that cost ~3 us a call). Bounded:
+# classes made per call must not pile up.
+_PLAIN_KINDS: set[type] = set()
+
+
 def code_key(function: Any) -> Any:
     """Which function a call checkpoints, the same across calls and steps: the code of the function
     under any partials, with a bound method's class (transformers binds `layer.__call__`, whose
@@ -225,11 +238,24 @@ def code_key(function: Any) -> Any:
         if type(function) is not functools.partial:
             break
         function = function.func
+    kind = type(function)
+    if kind is FunctionType:
+        return function.__code__
+    if kind is MethodType and type(function.__func__) is FunctionType:
+        return (function.__func__.__code__, type(function.__self__))
+    if kind in _PLAIN_KINDS and not _function_like(getattr(function, "__dict__", None)):
+        return kind  # a module or another callable object, asked nothing
     owner = getattr(function, "__self__", None)
     code = getattr(getattr(function, "__func__", function), "__code__", None)
     if code is None:
-        return type(function)
+        if len(_PLAIN_KINDS) < 1024 and not any(_function_like(vars(c)) for c in kind.__mro__):
+            _PLAIN_KINDS.add(kind)
+        return kind
     return (code, type(owner)) if owner is not None else code
+
+
+def _function_like(names: Any) -> bool:
+    return names is not None and ("__self__" in names or "__func__" in names or "__code__" in names)
 
 
 def any_trainable(modules: tuple[Any, ...]) -> bool:

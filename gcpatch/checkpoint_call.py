@@ -17,7 +17,7 @@ import logging
 import sys
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 from gcpatch import (
     call_facts,
@@ -75,17 +75,34 @@ _probed: set[Any] = set()
 _untracked: dict[Any, str] = {}
 
 
-class _Outcome(NamedTuple):
+class _Outcome:
     """What to do with every call that shows one pattern of facts."""
 
-    use_reentrant: bool | None = None  # the value to run with; None: as called
-    inline: bool = False  # run the function directly (CK2)
-    lift: bool = False  # pass the partial's bound graph tensors as positional inputs (CK5)
-    grad_input: bool = False  # one more input that requires grad, reentrant kept (CK1)
-    tuple_outputs: bool = False  # the result through the checkpoint as a flat tuple (CK7)
-    rules: tuple[str, ...] = ()
-    decision: Decision | None = None
-    facts: CallFacts | None = None
+    __slots__ = (
+        "use_reentrant",
+        "inline",
+        "lift",
+        "grad_input",
+        "tuple_outputs",
+        "rules",
+        "decision",
+        "facts",
+    )
+
+    def __init__(
+        self,
+        use_reentrant: bool | None = None,  # the value to run with; None: as called
+        inline: bool = False,  # run the function directly (CK2)
+        lift: bool = False,  # pass the partial's bound graph tensors as positional inputs (CK5)
+        grad_input: bool = False,  # one more input that requires grad, reentrant kept (CK1)
+        tuple_outputs: bool = False,  # the result through the checkpoint as a flat tuple (CK7)
+        rules: tuple[str, ...] = (),
+        decision: Decision | None = None,
+        facts: CallFacts | None = None,
+    ) -> None:
+        self.use_reentrant, self.inline, self.lift = use_reentrant, inline, lift
+        self.grad_input, self.tuple_outputs, self.rules = grad_input, tuple_outputs, rules
+        self.decision, self.facts = decision, facts
 
     @property
     def noteworthy(self) -> bool:

@@ -14,23 +14,44 @@ import contextvars
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 from gcpatch import lifetime
 from gcpatch.schema import USE_REENTRANT, Source
+from gcpatch.value_class import Value, value_class
 
 
-class Asker(NamedTuple):
-    """Who is asking for the enable call in progress (one context variable holds all of it)."""
+class Asker:
+    """Who is asking for the enable call in progress (one context variable holds all of it).
+    Never changed in place: `asking` sets a changed copy."""
 
-    inside: bool = False  # an enable nested in one gcpatch is deciding: the outer decision stands
-    redecided_by: str | None = None  # a re-decision after the model was wrapped (PEFT, DDP)
-    caller: str | None = None  # a framework enabling on the user's behalf (peft's kbit preparation)
-    trainer: Any = None  # the Trainer whose train() is running
+    __slots__ = ("inside", "redecided_by", "caller", "trainer")
+
+    def __init__(
+        self,
+        inside: bool = False,  # an enable nested in one gcpatch is deciding: the outer one stands
+        redecided_by: str | None = None,  # a re-decision after the model was wrapped (PEFT, DDP)
+        caller: str | None = None,  # a framework enabling for the user (peft's kbit preparation)
+        trainer: Any = None,  # the Trainer whose train() is running
+    ) -> None:
+        self.inside = inside
+        self.redecided_by = redecided_by
+        self.caller = caller
+        self.trainer = trainer
+
+    def _fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def changed(self, **changes: Any) -> Asker:
+        return Asker(**{**self._fields(), **changes})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Asker) and self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]
 
 
-_NOBODY = Asker()  # frozen: one shared default is safe
+_NOBODY = Asker()  # never changed in place: one shared default is safe
 _asker: contextvars.ContextVar[Asker] = contextvars.ContextVar("gcpatch_asker", default=_NOBODY)
 
 
@@ -41,7 +62,7 @@ def asker() -> Asker:
 @contextmanager
 def asking(**changes: Any) -> Iterator[Asker]:
     """Run a block with these fields of `Asker` set (nested blocks see both)."""
-    token = _asker.set(_asker.get()._replace(**changes))
+    token = _asker.set(_asker.get().changed(**changes))
     try:
         yield _asker.get()
     finally:
@@ -129,8 +150,8 @@ def decided_within(root: Any) -> list[Any]:
     return [module for module in root.modules() if module in _models]
 
 
-@dataclass
-class EnableCall:
+@value_class(frozen=False)
+class EnableCall(Value):
     """A framework's enable call, as the patch point saw it."""
 
     model: Any

@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 from gcpatch import headline, lifetime, record, settings
 from gcpatch.ranks import rank
@@ -27,13 +27,23 @@ log = logging.getLogger("gcpatch")
 _MARK = "_gcpatch_explained"
 
 
-class Family(NamedTuple):
-    id: str
-    markers: tuple[str, ...]  # in the exception's type name or message
-    title: str
-    cause: str
-    rules: str
-    fix: str
+class Family:
+    """One family of crashes gcpatch can explain. A slotted class, not a named tuple: what a first
+    enable loads is paid by every checkpointing process (docs/LAYOUT.md)."""
+
+    __slots__ = ("id", "markers", "title", "cause", "rules", "fix")
+
+    def __init__(
+        self,
+        id: str,  # noqa: A002 (the family's id, as the note prints it)
+        markers: tuple[str, ...],  # in the exception's type name or message
+        title: str,
+        cause: str,
+        rules: str,
+        fix: str,
+    ) -> None:
+        self.id, self.markers, self.title = id, markers, title
+        self.cause, self.rules, self.fix = cause, rules, fix
 
 
 FAMILIES = (

@@ -476,11 +476,17 @@ def installed_version(dist: str) -> str | None:
         found = metadata.distribution(dist)
     except metadata.PackageNotFoundError:
         return None
-    folder = getattr(getattr(found, "_path", None), "name", "")
+    return version_of(found)
+
+
+def version_of(dist: Any) -> str | None:
+    """A found distribution's version: from its `name-version.dist-info` folder's name where a
+    wheel installed it, else from its METADATA."""
+    folder = getattr(getattr(dist, "_path", None), "name", "")
     stem = folder[: -len(".dist-info")] if folder.endswith(".dist-info") else ""
     if stem.count("-") == 1:  # `name-version`: both escaped, so one dash
         return stem.split("-")[1]
-    return found.version
+    return dist.version
 
 
 def _embeddings_trainable(model: Any) -> bool | None:

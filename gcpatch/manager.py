@@ -8,8 +8,6 @@ plugin's failure from the others (a plugin error fails open).
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
 import types
 from dataclasses import replace
@@ -18,7 +16,7 @@ from typing import Any, Mapping
 
 import pluggy
 
-from gcpatch import console, deadline, hookspecs, release_range, settings
+from gcpatch import console, deadline, hookspecs, plugin_scan, release_range, settings
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import installed_version
 from gcpatch.schema import (
@@ -80,7 +78,7 @@ class PluginHost:
         cls, blocked: frozenset[str] = frozenset(), strict: bool = False
     ) -> PluginHost:
         host = cls(strict=strict)
-        found = _plugin_entry_points()
+        found, listed = plugin_scan.scan()
         unknown = sorted(blocked - {ep.name for ep in found})
         if unknown:
             log.warning(
@@ -100,11 +98,18 @@ class PluginHost:
             except Exception as exc:  # noqa: BLE001 (fail open: this plugin only, one line)
                 host._failed(ep.name, f"could not be loaded from {ep.value}", exc)
                 continue
-            host.add(plugin, ep.name)
+            host.add(plugin, ep.name, listed)
         return host
 
-    def add(self, plugin: object, name: str) -> PluginStatus:
-        """Register one plugin object (module or instance) and check its framework version."""
+    def add(
+        self,
+        plugin: object,
+        name: str,
+        listed: dict[str, plugin_scan.Listed] | None = None,
+    ) -> PluginStatus:
+        """Register one plugin object (module or instance) and check its framework version;
+        `listed`: the distributions on sys.path by normalized name, where the entry-point scan has
+        listed them already (else metadata is searched for the framework)."""
         if getattr(plugin, "__name__", "").startswith("gcpatch_plugins."):
             self._builtin.add(name)
         try:
@@ -118,7 +123,11 @@ class PluginHost:
             self._unregister(name)
             return self._failed(name, "failed in gcpatch_plugin_info", exc)
         status = PluginStatus(name, "active", info=info)
-        installed = installed_version(info.framework)
+        installed = (
+            plugin_scan.version(info.framework, listed)
+            if listed is not None
+            else installed_version(info.framework)
+        )
         status.framework_version = installed
         if installed is None:
             status.state, status.why = "skipped", f"{info.framework} is not installed"
@@ -460,91 +469,6 @@ def _hooks_of(plugin: object) -> object:
     """What pluggy registers: a module's hooks alone (`_ModuleHooks`); anything else (a plugin
     instance) as it is."""
     return _ModuleHooks(plugin) if isinstance(plugin, types.ModuleType) else plugin
-
-
-def _plugin_entry_points() -> list[metadata.EntryPoint]:
-    """The `gcpatch.plugins` entry points of installed distributions. A `*.dist-info` in the
-    directory Python put on sys.path for the script itself (its folder, or the working directory
-    for `-c`/`-m`) is not loaded unless GCPATCH_LOCAL_PLUGINS=1: a stray folder next to a
-    training script must not run code inside every job started from there."""
-    implicit = settings.local_plugins() is False and _implicit_path_entry()
-    path = [p for p in sys.path if not (implicit and _same_dir(p, implicit))]
-    skipped = [] if not implicit else [p for p in sys.path if _same_dir(p, implicit)]
-    found: list[metadata.EntryPoint] = []
-    seen: set[str] = set()
-    for dist in metadata.distributions(path=path):
-        name = _dist_key(dist)
-        if name in seen:
-            continue
-        seen.add(name)
-        found.extend(_group_of(dist))
-    local = sorted(
-        {
-            f"{ep.name} ({_dist_name(dist)})"
-            for dist in metadata.distributions(path=skipped)
-            for ep in _group_of(dist)
-        }
-    )
-    if local:
-        log.warning(
-            "gcpatch: plugins found next to the script in %s not loaded: %s; install them, or set "
-            "GCPATCH_LOCAL_PLUGINS=1 to load plugins from there",
-            implicit,
-            ", ".join(local),
-        )
-    return found
-
-
-def _implicit_path_entry() -> str:
-    """The directory Python added to sys.path for the script ('' or the script's folder), or ''
-    when it added none (-I, -P, PYTHONSAFEPATH)."""
-    if getattr(sys.flags, "safe_path", False) or sys.flags.isolated:
-        return ""
-    script = sys.argv[0] if sys.argv else ""
-    if script and script not in ("-c", "-m") and os.path.isfile(script):
-        return os.path.dirname(os.path.abspath(script))
-    return os.getcwd()
-
-
-def _same_dir(entry: str, directory: str) -> bool:
-    try:
-        real = os.path.realpath(entry or os.curdir)
-        return real == os.path.realpath(directory) and real not in {
-            os.path.realpath(d) for d in _site_dirs()
-        }
-    except (OSError, ValueError):
-        return False
-
-
-def _site_dirs() -> set[str]:
-    import site
-
-    dirs = set(getattr(site, "getsitepackages", lambda: [])())
-    dirs.add(getattr(site, "getusersitepackages", lambda: "")())
-    dirs.update(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
-    return dirs
-
-
-def _group_of(dist: metadata.Distribution) -> list[metadata.EntryPoint]:
-    """The distribution's `gcpatch.plugins` entry points. Only a file that names the group is
-    parsed: parsing every installed distribution's entry_points.txt was most of the scan's cost
-    (about 2 ms of every process's first enable in a venv of 70 distributions)."""
-    text = dist.read_text("entry_points.txt") or ""
-    if hookspecs.ENTRY_POINT_GROUP not in text:
-        return []
-    return [ep for ep in dist.entry_points if ep.group == hookspecs.ENTRY_POINT_GROUP]
-
-
-def _dist_key(dist: metadata.Distribution) -> str:
-    """Which distribution this is, for keeping the first of duplicates on sys.path: the name its
-    folder gives (what importlib.metadata's own `entry_points()` dedups by, Python >= 3.10) without
-    parsing every installed distribution's METADATA (about 40 ms in a venv of 70 distributions,
-    paid at the first enable of every process); METADATA's Name where the folder gives none."""
-    return getattr(dist, "_normalized_name", None) or _dist_name(dist).replace("-", "_")
-
-
-def _dist_name(dist: metadata.Distribution) -> str:
-    return (dist.metadata["Name"] or "").lower().replace("_", "-")
 
 
 def _builtin_first(ep: metadata.EntryPoint) -> tuple[int, str]:

@@ -1,14 +1,17 @@
 """The values that flow through one decision: rules, patch points, facts, votes, decisions.
 
-Plain frozen dataclasses, so a record is a faithful copy of what was decided and every rank
-can compare its decisions with the others' as data.
+Plain frozen dataclasses (their methods written once, in gcpatch/value_class.py), so a record is
+a faithful copy of what was decided and every rank can compare its decisions with the others' as
+data.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, field, fields
 from enum import Enum
 from typing import Any, Callable, Mapping
+
+from gcpatch.value_class import Value, value_class
 
 
 class _Word(str, Enum):
@@ -105,8 +108,8 @@ KNOBS = tuple(Knob)
 ZERO3_NONREENTRANT_RECOMPUTE = "zero3_nonreentrant_recompute"
 
 
-@dataclass(frozen=True)
-class Rule:
+@value_class()
+class Rule(Value):
     """One row of the rule table: its id is what records and docs/RULES.md cite, its source is
     where the truth lives."""
 
@@ -119,8 +122,8 @@ class Rule:
     documents: bool = False
 
 
-@dataclass(frozen=True)
-class PatchPoint:
+@value_class()
+class PatchPoint(Value):
     """Where a plugin hooks in: `module` is watched, `target` ("Class.method") is wrapped.
 
     `wrapper` has wrapt's signature (wrapped, instance, args, kwargs). `applies` is asked with
@@ -137,8 +140,8 @@ class PatchPoint:
     guarded: bool = False  # the wrapper fails open by itself: no per-call guard layer (hot paths)
 
 
-@dataclass(frozen=True)
-class PluginInfo:
+@value_class()
+class PluginInfo(Value):
     """What a plugin declares before any of its patches is installed."""
 
     name: str
@@ -152,8 +155,8 @@ class PluginInfo:
     proven: str = ""
 
 
-@dataclass(frozen=True)
-class Stack:
+@value_class()
+class Stack(Value):
     """One stack of checkpointed blocks, as R1 reads it (gcpatch/facts.py `stack_facts`). Read its
     fields by name; `stack["blocks"]` and `stack.get("blocks")` also work, for plugins written when
     a stack was a dict."""
@@ -187,8 +190,8 @@ class Stack:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class Facts:
+@value_class()
+class Facts(Value):
     """Everything a rule may look at, gathered once per decision.
 
     Only rank-independent facts live here (model layout, launcher environment, versions):
@@ -267,8 +270,8 @@ class Facts:
         return data
 
 
-@dataclass(frozen=True)
-class CallFacts:
+@value_class()
+class CallFacts(Value):
     """The facts of one `torch.utils.checkpoint.checkpoint` call that no enable-time decision
     covers. Exact and cheap: read from the call's own arguments at call time, so the decision
     for one pattern of facts holds for every call that shows it (and is cached by it)."""
@@ -306,8 +309,8 @@ class CallFacts:
         return data
 
 
-@dataclass(frozen=True)
-class Vote:
+@value_class()
+class Vote(Value):
     """One rule's opinion on one knob."""
 
     knob: str
@@ -325,8 +328,8 @@ class Vote:
         return asdict(self)
 
 
-@dataclass
-class Decision:
+@value_class(frozen=False)
+class Decision(Value):
     """The resolved outcome of one call, with every vote that took part."""
 
     mode: str

@@ -34,6 +34,7 @@ LAYERS = (
         {
             "errors",
             "schema",
+            "value_class",
             "settings",
             "lifetime",
             "caller",
@@ -58,7 +59,7 @@ LAYERS = (
             "reentrant_grads",
         },
     ),
-    ("plugin runtime", {"patching", "deadline", "manager", "engine"}),
+    ("plugin runtime", {"patching", "deadline", "plugin_scan", "manager", "engine"}),
     ("orchestration", {"checkpoint_call", "verify", "pipeline", "agreement"} | STEP),
     (
         "switch and surfaces",

@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "gcpatch"
 PROCESS = {
     "activation._active": "the switch itself (activate / deactivate set it)",
     "caller._trampolines": "code objects per call site: a cache that changes no behaviour",
+    "call_facts._PLAIN_KINDS": "classes defining no function attributes: a fact of the class",
     "checkpoint_call._torch": "torch's module, bound at the first call",
     "checkpoint_call._depth": "a context variable: set inside a checkpointed function, reset after",
     "context._asker": "a context variable: set for one enable call, reset after",
