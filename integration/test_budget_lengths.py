@@ -162,11 +162,14 @@ def test_a_disabled_step_is_left_alone_and_the_plans_come_back_when_enabled_agai
 
 def test_a_model_left_in_eval_mode_is_planned_like_one_in_train_mode(script_runs):
     """R5 lets the layers of a model left in eval mode checkpoint; the budget plans them as it
-    does in train mode. Before, the line said "4 of 6 layers checkpointed" while no layer
-    checkpointed: the step held more than without checkpointing."""
+    does in train mode: every step checkpoints layers and holds the budget. Before, the line said
+    "4 of 6 layers checkpointed" while no layer checkpointed: the step held more than without
+    checkpointing. The two runs' plans are not compared layer by layer: without dropout the
+    layers hold other bytes, and the keep-matmuls lever is priced by a clock each run reads."""
     run = _run(script_runs, "eval_mode")
     train = _run(script_runs, "fraction")
     assert any("(R5" in line for line in run.messages()), run.stderr[-3000:]
     for step, trained in zip(run.result["steps"][1:], train.result["steps"][1:]):
         assert step["held"] <= 0.5 * (1 + TOLERANCE) * step["plain_held"], step
-        assert step["flags"] == trained["flags"], (step, trained)
+        assert any(step["flags"]) and any(trained["flags"]), (step, trained)
+        assert step["held"] < step["plain_held"] and step["grad_none"] == 0, step
