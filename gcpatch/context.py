@@ -14,6 +14,7 @@ import contextvars
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 from gcpatch import lifetime
@@ -21,37 +22,17 @@ from gcpatch.schema import USE_REENTRANT, Source
 from gcpatch.value_class import Value, value_class
 
 
-class Asker:
-    """Who is asking for the enable call in progress (one context variable holds all of it).
-    Never changed in place: `asking` sets a changed copy."""
+@value_class()
+class Asker(Value):
+    """Who is asking for the enable call in progress (one context variable holds all of it)."""
 
-    __slots__ = ("inside", "redecided_by", "caller", "trainer")
-
-    def __init__(
-        self,
-        inside: bool = False,  # an enable nested in one gcpatch is deciding: the outer one stands
-        redecided_by: str | None = None,  # a re-decision after the model was wrapped (PEFT, DDP)
-        caller: str | None = None,  # a framework enabling for the user (peft's kbit preparation)
-        trainer: Any = None,  # the Trainer whose train() is running
-    ) -> None:
-        self.inside = inside
-        self.redecided_by = redecided_by
-        self.caller = caller
-        self.trainer = trainer
-
-    def _fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-    def changed(self, **changes: Any) -> Asker:
-        return Asker(**{**self._fields(), **changes})
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Asker) and self._fields() == other._fields()
-
-    __hash__ = None  # type: ignore[assignment]
+    inside: bool = False  # an enable nested in one gcpatch is deciding: the outer decision stands
+    redecided_by: str | None = None  # a re-decision after the model was wrapped (PEFT, DDP)
+    caller: str | None = None  # a framework enabling on the user's behalf (peft's kbit preparation)
+    trainer: Any = None  # the Trainer whose train() is running
 
 
-_NOBODY = Asker()  # never changed in place: one shared default is safe
+_NOBODY = Asker()  # frozen: one shared default is safe
 _asker: contextvars.ContextVar[Asker] = contextvars.ContextVar("gcpatch_asker", default=_NOBODY)
 
 
@@ -62,7 +43,7 @@ def asker() -> Asker:
 @contextmanager
 def asking(**changes: Any) -> Iterator[Asker]:
     """Run a block with these fields of `Asker` set (nested blocks see both)."""
-    token = _asker.set(_asker.get().changed(**changes))
+    token = _asker.set(replace(_asker.get(), **changes))
     try:
         yield _asker.get()
     finally:
