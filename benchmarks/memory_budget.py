@@ -1,7 +1,8 @@
 """GCPATCH_MEMORY_BUDGET's benchmark: a budget sweep on Llamas (hidden 256 by default), comparing the
 activation bytes one step holds, the matmul FLOPs its backward recomputes and its step time for
   gcpatch    the plan gcpatch chose for the budget (the real path: the variable set, the user's
-             enable), per layer plain, checkpointed keeping its matmuls, or checkpointed whole
+             enable), per layer plain, checkpointed keeping its matmuls or its attention output,
+             or checkpointed whole
   full       every layer checkpointed (`gradient_checkpointing_enable()` without gcpatch's budget)
   every_n    the best `every_n_layers` by hand: the largest n whose step meets the budget (n=1 if none)
   selective  torch's selective checkpointing by hand on every layer: a `context_fn` from
@@ -101,11 +102,22 @@ def saved(fn) -> int:
 
 
 def backward_flops(m, ids) -> int:
-    """The FLOPs of one backward (matmuls and attention, torch.utils.flop_counter)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """The FLOPs of one backward (matmuls and attention, torch.utils.flop_counter; its formulas
+    cover the CUDA attention kernels only, and CPU's fused one is counted with the same)."""
+    import torch
+    from torch.utils import flop_counter
 
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    aten = torch.ops.aten
+    cpu = "_scaled_dot_product_flash_attention_for_cpu"
+    mapping = {getattr(aten, cpu): forward, getattr(aten, f"{cpu}_backward"): backward}
     loss = m(input_ids=ids, labels=ids).loss
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
     with counter:
         loss.backward()
     m.zero_grad(set_to_none=True)
@@ -225,8 +237,8 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
             "every_n": n_best,
             "gcpatch_checkpointed": entry["budget"]["plan"]["checkpointed"],
             "gcpatch_modes": entry["budget"]["plan"]["modes"],
-            # what keeping the matmuls measured: its cost over a whole layer's recompute
-            "keep_share": entry["budget"]["measured"].get("keep_matmuls", {}).get("share"),
+            # what each lever measured: its cost over a whole layer's recompute
+            "shares": entry["budget"]["measured"].get("levers", {}).get("shares", {}),
             "flops": {
                 "gcpatch": backward_flops(ours, ids),
                 "every_n": backward_flops(variants["every_n"], ids),
@@ -289,7 +301,7 @@ def summarise(raw: dict) -> list[dict]:
                 "n": row["every_n"],
                 "k": row["gcpatch_checkpointed"],
                 "modes": _modes(row.get("gcpatch_modes")),
-                "keep_share": row.get("keep_share"),
+                "shares": row.get("shares", {}),
             }
             for v in ("gcpatch", "full", "every_n"):
                 r[f"{v}_bytes"] = row["bytes"][v] / plain_b
@@ -312,12 +324,20 @@ def summarise(raw: dict) -> list[dict]:
     return rows
 
 
+# how the table names each mode: whole, keeping the matmuls, keeping the attention output, plain
+LETTERS = {"full": "W", "keep-matmuls": "K", "keep-attention": "A", "plain": "P"}
+
+
 def _modes(modes: list[str] | None) -> str:
-    """Whole / keeping their matmuls / plain, counted: `2W 6K 0P`."""
+    """Each mode's layers, counted: `2W 6K 0A 0P`."""
     if modes is None:
         return "-"
-    count = {mode: modes.count(mode) for mode in ("full", "keep-matmuls", "plain")}
-    return f"{count['full']}W {count['keep-matmuls']}K {count['plain']}P"
+    return " ".join(f"{modes.count(mode)}{letter}" for mode, letter in LETTERS.items())
+
+
+def _shares(shares: dict) -> str:
+    """Each lever's measured cost over a whole layer's recompute: `0.24 / 0.71`."""
+    return " / ".join(_fraction(shares.get(mode)) for mode in ("keep-matmuls", "keep-attention"))
 
 
 def write(raw: dict, out: Path, quick: bool) -> None:
@@ -333,10 +353,12 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         "",
         "- bytes: what one step's forward holds for its backward / the same without checkpointing;",
         "- FLOPs: matmul and attention FLOPs the backward recomputes / what full checkpointing "
-        "recomputes (torch.utils.flop_counter);",
+        "recomputes (torch.utils.flop_counter, CPU's fused attention kernel counted with its CUDA "
+        "formula);",
         "- gcpatch's layers: `W` checkpointed whole, `K` checkpointed keeping their matmuls' and "
-        "attention kernels' outputs, `P` plain; `K cost`: what keeping measured at the first step, "
-        "over a whole layer's recompute (the solver's input);",
+        "attention kernels' outputs, `A` checkpointed keeping their attention kernel's output alone, "
+        "`P` plain; `K / A cost`: what each lever measured at the first step, over a whole layer's "
+        "recompute (the solver's input);",
         "- selective: torch's selective checkpointing by hand on every layer (a `context_fn` saving "
         "matmuls and attention kernels);",
         f"- time: step (forward + backward) / no checkpointing, median of {STEPS} steps (thread CPU time), "
@@ -349,7 +371,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         "",
     ]
     head = (
-        "| layers | seq | budget | gcpatch layers | K cost | gcpatch bytes | gcpatch time | gcpatch FLOPs "
+        "| layers | seq | budget | gcpatch layers | K / A cost | gcpatch bytes | gcpatch time | gcpatch FLOPs "
         "| full bytes | full time | n | every_n bytes | every_n time | every_n FLOPs |"
     )
     sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -364,7 +386,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         over = "" if r["met"] else " (over)"
         line = (
             f"| {r['layers']} | {r['seq']} | {r['budget']:.1f} | {r['modes']} | "
-            f"{_fraction(r.get('keep_share'))} | "
+            f"{_shares(r.get('shares') or {})} | "
             f"{r['gcpatch_bytes']:.3f}{over} | {r['gcpatch_time']:.3f} | {_fraction(r.get('gcpatch_flops'))} | "
             f"{r['full_bytes']:.3f} | {r['full_time']:.3f} | {r['n']} | "
             f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} | {_fraction(r.get('every_n_flops'))} |"

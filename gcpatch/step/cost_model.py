@@ -13,8 +13,9 @@ record says so.
 
 A layer's recompute seconds, timed once at the measured shape, scale with its plain bytes (the work
 its forward does, attention's quadratic part included), and so do the seconds of checkpointing it
-while keeping its matmuls' outputs (gcpatch/step/selective.py), whose bytes held are its outputs
-plus what its matmuls produce, fitted like the rest. Pure arithmetic, no torch.
+under a selective lever (gcpatch/step/selective.py): keeping its matmuls' outputs, whose bytes held
+are its outputs plus what its matmuls produce, or its attention kernel's output alone, plus what
+that kernel produces, each fitted like the rest. Pure arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -90,10 +91,13 @@ class CostModel:
     kinds: list[str]
     measured_at: list[tuple[int, int]] = field(default_factory=list)
     tokens_measured: bool = True
-    # what a layer's matmuls produce (kept by the selective option) and that option's seconds per
-    # step at `timed_at` (None: not available on that layer): gcpatch/step/selective.py
+    # what a layer's matmuls produce (kept by the selective lever) and that lever's seconds per
+    # step at `timed_at` (None: not available on that layer): gcpatch/step/selective.py; the same
+    # for its fused attention kernel's outputs alone
     matmul: list[Curve] | None = None
     kept_seconds: list[float | None] | None = None
+    attention: list[Curve] | None = None
+    attention_seconds: list[float | None] | None = None
 
     def layers(self, rows: int, tokens: int) -> tuple[list[LayerCost], float]:
         """Every layer's cost and what runs outside the layers, at this shape."""
@@ -104,11 +108,13 @@ class CostModel:
             at = plain(*self.timed_at)
             scale = p / at if at > 0 else (rows * tokens) / (self.timed_at[0] * self.timed_at[1])
             kind = self.kinds[i] if i < len(self.kinds) else ""
-            kept, kept_s = None, 0.0
-            measured = self.kept_seconds[i] if self.kept_seconds else None
-            if self.matmul is not None and measured is not None:
-                kept, kept_s = min(p, c + self.matmul[i](rows, tokens)), measured * scale
-            out.append(LayerCost(f"{i}", p, c, self.seconds[i] * scale, kind, kept, kept_s))
+            kept, kept_s = _lever(self.matmul, self.kept_seconds, i, rows, tokens, p, c, scale)
+            att, att_s = _lever(
+                self.attention, self.attention_seconds, i, rows, tokens, p, c, scale
+            )
+            out.append(
+                LayerCost(f"{i}", p, c, self.seconds[i] * scale, kind, kept, kept_s, att, att_s)
+            )
         return out, self.outside(rows, tokens)
 
     def plain_total(self, rows: int, tokens: int) -> float:
@@ -125,8 +131,10 @@ class CostModel:
             "kinds": self.kinds,
             "measured_at": [list(s) for s in self.measured_at],
             "tokens_measured": self.tokens_measured,
-            "matmul": [asdict(c) for c in self.matmul] if self.matmul is not None else None,
+            "matmul": _curves(self.matmul),
             "kept_seconds": self.kept_seconds,
+            "attention": _curves(self.attention),
+            "attention_seconds": self.attention_seconds,
         }
 
     @classmethod
@@ -142,4 +150,28 @@ class CostModel:
             tokens_measured=bool(data.get("tokens_measured", True)),
             matmul=[Curve(**c) for c in data["matmul"]] if data.get("matmul") else None,
             kept_seconds=data.get("kept_seconds"),
+            attention=[Curve(**c) for c in data["attention"]] if data.get("attention") else None,
+            attention_seconds=data.get("attention_seconds"),
         )
+
+
+def _lever(
+    kept: list[Curve] | None,
+    seconds: list[float | None] | None,
+    i: int,
+    rows: int,
+    tokens: int,
+    plain: float,
+    checkpointed: float,
+    scale: float,
+) -> tuple[float | None, float]:
+    """A selective lever's bytes held (the layer's outputs and what it keeps, never above plain)
+    and seconds at this shape, or (None, 0) where the layer does not offer it."""
+    measured = seconds[i] if seconds else None
+    if kept is None or measured is None:
+        return None, 0.0
+    return min(plain, checkpointed + kept[i](rows, tokens)), measured * scale
+
+
+def _curves(curves: list[Curve] | None) -> list[dict] | None:
+    return [asdict(c) for c in curves] if curves is not None else None

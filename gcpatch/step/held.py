@@ -40,7 +40,10 @@ class Held:
         # what a selective checkpoint that keeps them (gcpatch/step/selective.py) holds besides
         # the layer's outputs
         self.matmul: dict[int, int] = {}
+        # the same for the fused attention kernels alone (what keeping the attention output holds)
+        self.attention: dict[int, int] = {}
         self._matmuls = matmul_ops(torch)
+        self._attention = attention_ops(torch)
         self._stack = [OUTSIDE]
         self._handles: list[Any] = []
         held = self
@@ -50,7 +53,7 @@ class Held:
                 self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
             ) -> Any:
                 out = func(*args, **(kwargs or {}))
-                held._note(args, kwargs, out, func in held._matmuls)
+                held._note(args, kwargs, out, func)
                 return out
 
         self._mode = _Mode()
@@ -115,8 +118,9 @@ class Held:
         except Exception:  # noqa: BLE001 (tensor subclasses without a storage: not counted)
             return None
 
-    def _note(self, args: Any, kwargs: Any, out: Any, matmul: bool = False) -> None:
+    def _note(self, args: Any, kwargs: Any, out: Any, func: Any = None) -> None:
         torch = self._torch
+        matmul, attention = func in self._matmuls, func in self._attention
         inputs = {self._key(t) for t in tensors(torch, (args, kwargs))}
         for tensor in tensors(torch, out):
             key = self._key(tensor)
@@ -133,6 +137,8 @@ class Held:
                 continue
             if matmul:
                 self.matmul[owner] = self.matmul.get(owner, 0) + nbytes
+            if attention:
+                self.attention[owner] = self.attention.get(owner, 0) + nbytes
 
 
 @contextlib.contextmanager
@@ -148,17 +154,25 @@ def matmul_ops(torch: Any) -> frozenset:
     """The matrix multiplies and fused attention kernels as the dispatcher sees them (their
     `.default` overloads: a policy that names the packet, `aten.mm`, matches nothing,
     pytorch/pytorch#176065): the work a selective checkpoint keeps instead of recomputing."""
-    aten = torch.ops.aten
-    names = (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
+    return _overloads(torch, ("mm", "addmm", "bmm", "baddbmm")) | attention_ops(torch)
+
+
+def attention_ops(torch: Any) -> frozenset:
+    """The fused scaled-dot-product attention kernels (flash, CPU flash, memory-efficient, cuDNN),
+    `.default` overloads; unfused attention runs as matmuls, softmax and dropout instead."""
+    return _overloads(
+        torch,
+        (
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+        ),
     )
+
+
+def _overloads(torch: Any, names: tuple[str, ...]) -> frozenset:
+    aten = torch.ops.aten
     return frozenset(
         getattr(aten, name).default
         for name in names

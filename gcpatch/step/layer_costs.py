@@ -22,7 +22,7 @@ from gcpatch.step import selective
 from gcpatch.step.batch import tensors
 from gcpatch.step.cost_model import CostModel, Curve
 from gcpatch.step.held import OUTSIDE, Held
-from gcpatch.step.solver import LayerCost
+from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, LayerCost
 
 
 @dataclass
@@ -37,8 +37,9 @@ class Measured:
     tokens: list[int] = field(default_factory=list)
     batch: int = 0
     seconds: float = 0.0  # what measuring took
-    # keeping the matmuls: its cost over a whole layer's recompute, or why it is not offered
-    share: float | None = None
+    # each selective lever's cost over a whole layer's recompute (None: not chosen), or why no
+    # layer offers them
+    shares: dict[str, float | None] = field(default_factory=dict)
     not_offered: str | None = None
 
     @property
@@ -67,6 +68,7 @@ def measure(
     plain: list[dict] = [{} for _ in range(n)]
     ckpt: list[dict] = [{} for _ in range(n)]
     matmul: list[dict] = [{} for _ in range(n)]
+    attention: list[dict] = [{} for _ in range(n)]
     outside: dict = {}
     for tokens in lengths:
         for rows in sizes:
@@ -85,24 +87,28 @@ def measure(
                 plain[i][(rows, tokens)] = float(alive.get(i, 0))
                 ckpt[i][(rows, tokens)] = float(held.outputs_alive(i))
                 matmul[i][(rows, tokens)] = float(held.matmul.get(i, 0))
+                attention[i][(rows, tokens)] = float(held.attention.get(i, 0))
             outside[(rows, tokens)] = float(alive.get(OUTSIDE, 0))
             del graph, held, forward
     timed_at = (sizes[-1], lengths[-1])
     sync = _sync(model)
     seconds = _time_layers(layers, run(*timed_at), sync)
     seconds = _averaged(seconds, kinds, [p[timed_at] for p in plain], [c[timed_at] for c in ckpt])
-    # the selective option's cost, as a share of checkpointing whole, at the timed shape (the
+    # the selective levers' costs, as shares of checkpointing whole, at the timed shape (the
     # attention kernel a shape gets, and its share of a layer, change with rows and tokens)
-    share = selective.ratio(layers, run(*timed_at))
+    shares = selective.shares(layers, run(*timed_at))
     offered = [selective.available(m) for m in layers]
-    kept_seconds = [
-        s * share if share is not None and ok else None for s, ok in zip(seconds, offered)
-    ]
+
+    def lever_seconds(share: float | None) -> list[float | None]:
+        return [s * share if share is not None and ok else None for s, ok in zip(seconds, offered)]
+
     costs = CostModel(
         plain=[Curve.fit(p) for p in plain],
         checkpointed=[Curve.fit(c) for c in ckpt],
         matmul=[Curve.fit(m) for m in matmul],
-        kept_seconds=kept_seconds,
+        kept_seconds=lever_seconds(shares[KEEP_MATMULS]),
+        attention=[Curve.fit(a) for a in attention],
+        attention_seconds=lever_seconds(shares[KEEP_ATTENTION]),
         outside=Curve.fit(outside),
         seconds=seconds,
         timed_at=timed_at,
@@ -119,7 +125,7 @@ def measure(
         tokens=list(lengths),
         batch=batch,
         seconds=time.perf_counter() - start,
-        share=share,
+        shares=shares,
         not_offered=selective.not_offered(layers),
     )
 

@@ -33,7 +33,7 @@ from gcpatch import budget as budget_mod
 from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.facts import checkpoint_layers, checkpoint_site
 from gcpatch.ranks import default_store, rank
-from gcpatch.step import invisible, layer_costs, shapes
+from gcpatch.step import invisible, layer_costs, selective, shapes
 from gcpatch.step.batch import first_rows, first_tokens
 from gcpatch.step.batch import shape as batch_shape
 from gcpatch.step.cost_model import CostModel
@@ -178,7 +178,7 @@ def _measure(
             "seconds": measured.seconds,
             "outside_bytes": measured.outside,
             "note": note,
-            "keep_matmuls": {"share": measured.share, "not_offered": measured.not_offered},
+            "levers": {"shares": measured.shares, "not_offered": measured.not_offered},
             "layers": [
                 {
                     "plain_bytes": c.plain,
@@ -269,8 +269,7 @@ def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
         else ""
     )
     full = plan["full_recompute_s"] or 1.0
-    kept = plan.get("kept_matmuls")
-    every += f" ({kept} keeping their matmuls)" if kept else ""
+    every += selective.kept_text(plan.get("modes") or [])
     return (
         f"memory budget {chosen.text} ({size(plan['limit_bytes'])}): {plan['checkpointed']} of"
         f" {plan['layers']} layers checkpointed{every}{source}; activations"
@@ -296,9 +295,9 @@ def _details(outcome: dict) -> list[str]:
         f" layers {size(measured['outside_bytes'])}"
         + (f"; {measured['note']}" if measured.get("note") else "")
     ]
-    keep = measured.get("keep_matmuls")
-    if keep:
-        out.append(_keep_matmuls(keep))
+    levers = measured.get("levers")
+    if levers:
+        out += _levers(levers)
     for i, layer in enumerate(measured["layers"]):
         out.append(
             f"layer {i}: {'checkpointed' if i < len(flags) and flags[i] else 'plain'}; holds "
@@ -308,19 +307,23 @@ def _details(outcome: dict) -> list[str]:
     return out
 
 
-def _keep_matmuls(keep: dict) -> str:
-    """What the lever between plain and whole measured, or why it was not there to choose."""
-    if keep["not_offered"]:
-        return f"keeping the matmuls: not offered, {keep['not_offered']}"
-    if keep["share"] is None:
-        return (
-            "keeping the matmuls: not chosen, its cost could not be told on this clock (or its"
-            " policy kept nothing); whole layers only"
-        )
-    return (
-        f"keeping the matmuls: costs {keep['share']:.2f} of a whole layer's recompute (measured"
-        " on one layer)"
-    )
+def _levers(levers: dict) -> list[str]:
+    """What each lever between plain and whole measured, or why it was not there to choose."""
+    out = []
+    for lever, share in levers["shares"].items():
+        name = selective.LEVERS[lever].name
+        if levers["not_offered"]:
+            out.append(f"{name}: not offered, {levers['not_offered']}")
+        elif share is None:
+            out.append(
+                f"{name}: not chosen, its cost could not be told on this clock (or its policy kept"
+                " nothing)"
+            )
+        else:
+            out.append(
+                f"{name}: costs {share:.2f} of a whole layer's recompute (measured on one layer)"
+            )
+    return out
 
 
 class Confirmation:

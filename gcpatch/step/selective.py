@@ -1,17 +1,24 @@
-"""A finer lever than a whole layer: checkpoint a layer but keep its matrix multiplies' and fused
-attention's outputs, so its backward recomputes only the cheap work between them (norms,
-activations, rotary, pointwise ops). torch's own selective checkpointing
-(`create_selective_checkpoint_contexts`) with a policy that must save `mm`, `addmm`, `bmm`,
-`baddbmm` and the scaled-dot-product attention kernels (their `.default` overloads: a policy naming
-the packet matches nothing, pytorch/pytorch#176065) and prefers to recompute the rest.
+"""Finer levers than a whole layer, through torch's own selective checkpointing
+(`create_selective_checkpoint_contexts`) with a policy that must save some operators' outputs and
+prefers to recompute the rest (their `.default` overloads: a policy naming the packet matches
+nothing, pytorch/pytorch#176065):
 
-Offered for a layer only where it runs exactly as decided: its checkpoint function is
+- keep the matmuls: the outputs of `mm`, `addmm`, `bmm`, `baddbmm` and the fused scaled-dot-product
+  attention kernels, so the backward recomputes only the cheap work between them (norms,
+  activations, rotary, pointwise ops);
+- keep the attention output: the fused attention kernels' outputs alone (Axolotl's choice,
+  axolotl-ai-cloud/axolotl#3786), so the backward recomputes the projections and the MLP but not
+  attention, for a few bytes more than a whole layer holds. Unfused attention (CPU attention with
+  dropout runs as matmul, softmax and dropout) has no such kernel: the lever keeps nothing there
+  and is not offered.
+
+Each is offered for a layer only where it runs exactly as decided: its checkpoint function is
 non-reentrant (selective checkpointing needs that) and carries no `context_fn` of the user's (a
 user's own selective checkpointing stands as given). Its cost is measured, not assumed
-(`seconds`): the policy is a Python call per op, in the forward and in the recompute, which on
+(`shares`): the policy is a Python call per op, in the forward and in the recompute, which on
 small ops can cost more than the recompute it saves; the budget's solver then does not pick it.
-It must fire: each layer's policy counts the outputs it kept in its forwards (`KeepMatmuls.kept`);
-a layer planned with it whose forward kept none falls back to whole checkpointing, said once
+It must fire: each layer's policy counts the outputs it kept in its forwards (`Keep.kept`); a
+layer planned with it whose forward kept none falls back to whole checkpointing, said once
 (gcpatch/step/shapes.py).
 """
 
@@ -21,9 +28,10 @@ import contextlib
 import functools
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
-from gcpatch.step.held import matmul_ops
+from gcpatch.step.held import attention_ops, matmul_ops
+from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS
 
 CONTEXT_FN = "context_fn"
 # the keyword names a decoder layer's key/value cache goes by across transformers' generations
@@ -35,15 +43,30 @@ CACHES = ("past_key_values", "past_key_value", "layer_past", "cache")
 ROUNDS, MAX_ROUNDS = 9, 15
 
 
-class KeepMatmuls:
-    """The policy of one layer: keep every matrix multiply's output, recompute the rest; counts
-    what its forwards kept."""
+class Lever(NamedTuple):
+    ops: Callable[[Any], frozenset]  # torch -> the operators whose outputs it keeps
+    name: str  # in `gcpatch explain`
+    says: str  # after a count of layers, in the plan's line
 
-    def __init__(self) -> None:
+
+LEVERS = {
+    KEEP_MATMULS: Lever(matmul_ops, "keeping the matmuls", "keeping their matmuls"),
+    KEEP_ATTENTION: Lever(
+        attention_ops, "keeping the attention output", "keeping their attention output"
+    ),
+}
+
+
+class Keep:
+    """The policy of one layer under one lever: keep its operators' outputs, recompute the rest;
+    counts what its forwards kept."""
+
+    def __init__(self, lever: str) -> None:
         torch = sys.modules["torch"]
         from torch.utils.checkpoint import CheckpointPolicy
 
-        self.ops = matmul_ops(torch)
+        self.lever = lever
+        self.ops = LEVERS[lever].ops(torch)
         self.save, self.recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
         self.kept = 0
 
@@ -58,6 +81,12 @@ class KeepMatmuls:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         return create_selective_checkpoint_contexts(self)
+
+
+def kept_text(modes: list[str]) -> str:
+    """How a plan's line names its selective layers: " (2 keeping their matmuls)", or ""."""
+    parts = [f"{modes.count(lever)} {LEVERS[lever].says}" for lever in LEVERS if lever in modes]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def available(layer: Any) -> bool:
@@ -91,26 +120,26 @@ def not_offered(layers: list[Any]) -> str | None:
 
 
 def own(func: Any) -> Any:
-    """The layer's own function where `func` is it keeping matmuls (a copy of a planned model
-    carries the kept one)."""
+    """The layer's own function where `func` is it under a lever (a copy of a planned model
+    carries that one)."""
     if isinstance(func, functools.partial):
         context = func.keywords.get(CONTEXT_FN)
-        if isinstance(getattr(context, "__self__", None), KeepMatmuls):
+        if isinstance(getattr(context, "__self__", None), Keep):
             rest = {k: v for k, v in func.keywords.items() if k != CONTEXT_FN}
             return functools.partial(func.func, *func.args, **rest)
     return func
 
 
-def keeping(func: functools.partial, policy: KeepMatmuls) -> functools.partial:
+def keeping(func: functools.partial, policy: Keep) -> functools.partial:
     """The layer's own checkpoint function (its use_reentrant and every other argument as
     decided), keeping what `policy` says."""
     return functools.partial(func.func, *func.args, **{**func.keywords, CONTEXT_FN: policy.context})
 
 
 @contextlib.contextmanager
-def switched(layers: list[Any], policies: list[KeepMatmuls | None]) -> Iterator[None]:
-    """The layers with a policy checkpointed keeping their matmuls (for a measuring pass); their
-    own flags and functions back afterwards."""
+def switched(layers: list[Any], policies: list[Keep | None]) -> Iterator[None]:
+    """The layers with a policy checkpointed under it (for a measuring pass); their own flags and
+    functions back afterwards."""
     saved = [
         (m, vars(m).get("gradient_checkpointing"), vars(m).get("_gradient_checkpointing_func"))
         for m in layers
@@ -133,35 +162,38 @@ def switched(layers: list[Any], policies: list[KeepMatmuls | None]) -> Iterator[
                     setattr(m, name, value)
 
 
-def ratio(layers: list[Any], forward: Callable[[], Any]) -> float | None:
-    """What keeping the matmuls costs a step against checkpointing whole, measured on one layer
-    (the first that offers it; its kind's kernels are the others'): called alone on the inputs
-    it got in `forward` (the model's forward on the batch's slice, with every layer plain), its
-    forward and backward (`torch.autograd.grad` on its input and trainable parameters: no `.grad`
-    is touched) plain, checkpointed whole and keeping its matmuls, interleaved, after a warm-up
-    round; (keep - plain) / (whole - plain) of each mode's fastest time (`_share`), in the
-    process's CPU time on a CPU (other jobs on a shared machine do not count), with more rounds
-    while the clock cannot tell whole from plain. One layer, not the model's step:
-    a step's time on a shared CPU moves by more than a layer's recompute, and a big plain step
-    pays for its own memory, so steps told the lever's cost by chance. The policy's Python call
-    per op is in it, so a device where that outweighs the recompute saved gets a ratio that makes
-    the solver pass the option over. None where no layer offers it, where its policy kept nothing
-    (it would not fire), or where the clock could not tell whole checkpointing from plain."""
+def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | None]:
+    """What each lever costs a step against checkpointing whole, measured on one layer (the first
+    that offers them; its kind's kernels are the others'): called alone on the inputs it got in
+    `forward` (the model's forward on the batch's slice, with every layer plain), its forward and
+    backward (`torch.autograd.grad` on its input and trainable parameters: no `.grad` is touched)
+    plain, checkpointed whole and under each lever, interleaved, after a warm-up round;
+    (lever - plain) / (whole - plain) of each mode's fastest time (`_share`), in the process's CPU
+    time on a CPU (other jobs on a shared machine do not count), with more rounds while the clock
+    cannot tell whole from plain. One layer, not the model's step: a step's time on a shared CPU
+    moves by more than a layer's recompute, and a big plain step pays for its own memory, so steps
+    told the lever's cost by chance. The policy's Python call per op is in it, so a device where
+    that outweighs the recompute saved gets a share that makes the solver pass the option over.
+    None for a lever where no layer offers it, where its policy kept nothing in the warm-up round
+    (it would not fire; it is not timed further), or where the clock could not tell whole
+    checkpointing from plain."""
     torch = sys.modules["torch"]
+    out: dict[str, float | None] = dict.fromkeys(LEVERS)
     layer = next((m for m in layers if available(m)), None)
     call = _first_call(torch, layer, forward) if layer is not None else None
     if call is None:
-        return None
+        return out
     args, kwargs, at = call
     params = [p for p in layer.parameters() if p.requires_grad]
-    policy = KeepMatmuls()
+    policies = {lever: Keep(lever) for lever in LEVERS}
     cuda = any(p.is_cuda for p in layer.parameters())
     clock = time.perf_counter if cuda else time.process_time
-    modes = {
+    modes: dict[str, Callable[[], Any]] = {
         "plain": contextlib.nullcontext,
         "whole": lambda: _whole([layer], [True]),
-        "keep": lambda: switched([layer], [policy]),
     }
+    for lever, policy in policies.items():
+        modes[lever] = functools.partial(switched, [layer], [policy])
 
     def step(mode: str) -> float:
         # a view, not a leaf: a host's module tracker (a FLOP counter around the step) hooks the
@@ -179,16 +211,21 @@ def ratio(layers: list[Any], forward: Callable[[], Any]) -> float | None:
 
     for mode in modes:  # a warm-up round, not counted
         step(mode)
+    for lever, policy in policies.items():
+        if not policy.kept:
+            del modes[lever]  # it would not fire: not timed
+    if len(modes) == 2:
+        return out
     samples: dict[str, list[float]] = {mode: [] for mode in modes}
-    share = None
     for round_ in range(1, MAX_ROUNDS + 1):
         for mode in modes:
             samples[mode].append(step(mode))
         if round_ >= ROUNDS:
-            share = _share(samples)
-            if share is not None:
+            found = {lever: _share(samples, lever) for lever in modes if lever in LEVERS}
+            if all(share is not None for share in found.values()):
                 break
-    return share if policy.kept else None
+    out.update(found)
+    return out
 
 
 def _first_call(torch: Any, layer: Any, forward: Callable[[], Any]) -> tuple | None:
@@ -226,8 +263,8 @@ def _first_call(torch: Any, layer: Any, forward: Callable[[], Any]) -> tuple | N
     return None if at is None else (tuple(args), kwargs, at)
 
 
-def _share(samples: dict[str, list[float]]) -> float | None:
-    """(keep - plain) / (whole - plain) of each mode's fastest time, where the clock can tell: the
+def _share(samples: dict[str, list[float]], lever: str) -> float | None:
+    """(lever - plain) / (whole - plain) of each mode's fastest time, where the clock can tell: the
     recompute (whole's fastest less plain's) must exceed the clock's own noise (the widest gap
     between a mode's two fastest times). A shared machine only adds to a time, so the fastest is
     the truest; a loaded machine, or a layer whose recompute is too short to time, cannot tell
@@ -237,7 +274,7 @@ def _share(samples: dict[str, list[float]]) -> float | None:
     recompute = fastest["whole"][0] - fastest["plain"][0]
     if recompute <= noise:
         return None
-    return max(0.0, fastest["keep"][0] - fastest["plain"][0]) / recompute
+    return max(0.0, fastest[lever][0] - fastest["plain"][0]) / recompute
 
 
 @contextlib.contextmanager

@@ -85,17 +85,21 @@ class ShapePlans:
         self.recorded = 0
         self.said_changed = self.said_floor = False
         self.handle: Any = None
-        # each layer's own checkpoint function, and the same keeping its matmuls (None: not offered)
+        # each layer's own checkpoint function, and the same under each selective lever, with its
+        # policy (none where the layer does not offer them)
         self.funcs = [selective.own(vars(m).get("_gradient_checkpointing_func")) for m in layers]
-        self.policies = [
-            selective.KeepMatmuls() if selective.offered(f) else None for f in self.funcs
+        self.policies: list[dict[str, selective.Keep]] = [
+            {lever: selective.Keep(lever) for lever in selective.LEVERS}
+            if selective.offered(f)
+            else {}
+            for f in self.funcs
         ]
         self.kept_funcs = [
-            selective.keeping(f, p) if p is not None else None
-            for f, p in zip(self.funcs, self.policies)
+            {lever: selective.keeping(f, p) for lever, p in policies.items()}
+            for f, policies in zip(self.funcs, self.policies)
         ]
-        self.misfired: set[int] = set()
-        self.checked = False
+        self.misfired: set[tuple[int, str]] = set()  # (layer, lever) that kept nothing
+        self.checked: set[str] = set()  # the levers whose firing was checked
         self.ran = False  # a training forward ran with a plan this hook applied
 
     def plan_for(self, rows: int, tokens: int, available: float | None = None) -> solver.Plan:
@@ -119,39 +123,50 @@ class ShapePlans:
             flag = mode != solver.PLAIN
             if layer.gradient_checkpointing is not flag:
                 layer.gradient_checkpointing = flag
-            keep = mode == solver.KEEP_MATMULS and i not in self.misfired
-            func = self.kept_funcs[i] if keep else self.funcs[i]
+            func = self.funcs[i]
+            if mode in self.kept_funcs[i] and (i, mode) not in self.misfired:
+                func = self.kept_funcs[i][mode]
             if func is not None and vars(layer).get("_gradient_checkpointing_func") is not func:
                 layer._gradient_checkpointing_func = func
         self.last = plan
 
     def fired(self) -> None:
-        """After the first forward that ran a plan keeping matmuls: a layer planned that way whose
-        policy kept nothing did not do what the plan assumed; it checkpoints whole from now on,
-        said once."""
-        if self.checked or not self.ran or self.last is None or not self.last.kept_matmuls:
+        """After the first forward that ran a plan with a selective lever: a layer planned that
+        way whose policy kept nothing did not do what the plan assumed; it checkpoints whole from
+        now on, said once per lever."""
+        if not self.ran or self.last is None:
             return
-        self.checked = True
+        modes = self.last.modes
+        levers = {mode for mode in modes if mode in solver.SELECTIVE} - self.checked
+        if not levers:
+            return
+        self.checked |= levers
         idle = [
-            i
-            for i, mode in enumerate(self.last.modes)
-            if mode == solver.KEEP_MATMULS
-            and self.policies[i] is not None
-            and self.policies[i].kept == 0
+            (i, mode)
+            for i, mode in enumerate(modes)
+            if mode in levers and mode in self.policies[i] and self.policies[i][mode].kept == 0
         ]
         if not idle:
             return
         self.misfired.update(idle)
-        self.plans.clear()  # solved again without the option where it misfired
-        for i in idle:
-            self.costs.kept_seconds[i] = None  # type: ignore[index]
-        log.warning(
-            "gcpatch: rank %d budget %s: keeping the matmul outputs saved nothing in layer(s) %s;"
-            " they checkpoint whole from the next step",
-            rank(),
-            self.name,
-            ", ".join(map(str, idle)),
-        )
+        self.plans.clear()  # solved again without the lever where it misfired
+        seconds = {
+            solver.KEEP_MATMULS: self.costs.kept_seconds,
+            solver.KEEP_ATTENTION: self.costs.attention_seconds,
+        }
+        for i, mode in idle:
+            seconds[mode][i] = None  # type: ignore[index]
+        for lever in solver.SELECTIVE:
+            layers = [str(i) for i, mode in idle if mode == lever]
+            if layers:
+                log.warning(
+                    "gcpatch: rank %d budget %s: %s saved nothing in layer(s) %s; they checkpoint"
+                    " whole from the next step",
+                    rank(),
+                    self.name,
+                    selective.LEVERS[lever].name,
+                    ", ".join(layers),
+                )
 
     def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
         """The pre-hook: this forward's plan, before it runs. Fails open (the flags as they are)."""
@@ -185,7 +200,7 @@ class ShapePlans:
 
     def _said(self, rows: int, tokens: int, plan: solver.Plan) -> None:
         size = budget_mod.size
-        kept = f" ({plan.kept_matmuls} keeping their matmuls)" if plan.kept_matmuls else ""
+        kept = selective.kept_text(plan.modes)
         what = (
             f"{rows} x {tokens} tokens: {plan.count} of {len(plan.checkpoint)} layers"
             f" checkpointed{kept};"
@@ -280,6 +295,7 @@ def plan_dict(found: solver.Plan) -> dict:
     return {
         "modes": found.modes,
         "kept_matmuls": found.kept_matmuls,
+        "kept_attention": found.kept_attention,
         "checkpointed": found.count,
         "layers": len(found.checkpoint),
         "limit_bytes": found.limit,

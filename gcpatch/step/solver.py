@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
-PLAIN, KEEP_MATMULS, FULL = "plain", "keep-matmuls", "full"
+PLAIN, KEEP_MATMULS, KEEP_ATTENTION, FULL = "plain", "keep-matmuls", "keep-attention", "full"
+# the selective levers between plain and whole (gcpatch/step/selective.py), in the order a group of
+# like layers is filled after its whole ones
+SELECTIVE = (KEEP_ATTENTION, KEEP_MATMULS)
+# the modes that recompute a layer's matrix multiplies: whole, and keeping only the attention
+# kernel's output (its projections and MLP run again)
+RECOMPUTES_MATMULS = (FULL, KEEP_ATTENTION)
 # Beyond this many Pareto points (distinct sums of bytes shed) the exact search is cut short: the
 # cheapest-per-byte layers are taken instead, and the plan says so. Identical layers give n + 1.
 MAX_FRONT = 20000
 # Plans whose measured recompute is within this share of full checkpointing's of the cheapest are
 # one price on this clock: the lever's measured cost moved by more between runs on a shared CPU
 # (keeping the matmuls measured 0.16 to 0.35 of a whole layer for one model). Among them the plan
-# recomputing the fewest layers whole wins: the matmul FLOPs it recomputes do not move with the
-# clock (`_fewest_whole`).
+# recomputing the fewest matmuls (the seconds of its whole and attention-keeping layers) wins: the
+# matmul FLOPs it recomputes do not move with the clock (`_fewest_matmuls`).
 SLACK = 0.05
 
 
@@ -34,20 +40,42 @@ class LayerCost:
     checkpointed: float
     seconds: float
     kind: str = ""
-    # checkpointed keeping its matmuls' outputs (gcpatch/step/selective.py): bytes held and seconds
-    # per step; None where that option is not available
+    # checkpointed keeping its matmuls' outputs, and keeping only its attention kernel's
+    # (gcpatch/step/selective.py): bytes held and seconds per step; None where not available
     kept: float | None = None
     kept_seconds: float = 0.0
+    attention: float | None = None
+    attention_seconds: float = 0.0
 
     @property
     def shed(self) -> float:
         return self.plain - self.checkpointed
 
+    def held(self, mode: str) -> float:
+        """The bytes the layer holds after its forward in `mode`."""
+        return {
+            PLAIN: self.plain,
+            KEEP_MATMULS: self.kept,
+            KEEP_ATTENTION: self.attention,
+            FULL: min(self.plain, self.checkpointed),
+        }[mode] or 0.0
+
+    def cost(self, mode: str) -> float:
+        """What running the layer in `mode` adds to the backward, in seconds."""
+        return {
+            PLAIN: 0.0,
+            KEEP_MATMULS: self.kept_seconds,
+            KEEP_ATTENTION: self.attention_seconds,
+            FULL: self.seconds,
+        }[mode]
+
     def options(self) -> list[tuple[str, float, float]]:
-        """(mode, bytes shed, seconds) of each useful way to run this layer, plain first."""
+        """(mode, bytes shed, seconds) of each useful way to run this layer, plain first: a
+        selective lever where it holds less than plain for less than a whole recompute."""
         out = [(PLAIN, 0.0, 0.0)]
-        if self.kept is not None and self.kept < self.plain and self.kept_seconds < self.seconds:
-            out.append((KEEP_MATMULS, self.plain - self.kept, self.kept_seconds))
+        for mode, held in ((KEEP_ATTENTION, self.attention), (KEEP_MATMULS, self.kept)):
+            if held is not None and held < self.plain and self.cost(mode) < self.seconds:
+                out.append((mode, self.plain - held, self.cost(mode)))
         if self.shed > 0:
             out.append((FULL, self.shed, self.seconds))
         return out
@@ -55,8 +83,8 @@ class LayerCost:
 
 @dataclass
 class Plan:
-    """How each layer runs (plain, checkpointed keeping its matmuls, checkpointed whole), and what
-    that is expected to hold and cost."""
+    """How each layer runs (plain, checkpointed keeping its matmuls or its attention output,
+    checkpointed whole), and what that is expected to hold and cost."""
 
     modes: list[str]
     limit: float  # the budget in bytes
@@ -81,13 +109,17 @@ class Plan:
         return sum(mode == KEEP_MATMULS for mode in self.modes)
 
     @property
+    def kept_attention(self) -> int:
+        return sum(mode == KEEP_ATTENTION for mode in self.modes)
+
+    @property
     def below_floor(self) -> bool:
         return self.limit < self.floor
 
     def every_n_layers(self) -> int | None:
         """The `every_n_layers` of transformers' enable that expresses this plan (layer i
-        checkpoints whole iff i % n == 0, no layer keeps its matmuls), or None."""
-        if self.kept_matmuls:
+        checkpoints whole iff i % n == 0, no selective layer), or None."""
+        if any(mode in SELECTIVE for mode in self.modes):
             return None
         n_layers = len(self.modes)
         for n in range(1, n_layers + 1):
@@ -100,9 +132,9 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
     """The plan holding at most `limit` bytes with the least recompute (ties: fewer bytes held);
     a limit below the floor gives every layer checkpointed whole. Each layer's options
     (`LayerCost.options`) make it a multiple-choice knapsack, solved exactly over the Pareto front
-    of (bytes shed, seconds). Where a layer may keep its matmuls, the plans within SLACK of full
+    of (bytes shed, seconds). Where a layer has a selective lever, the plans within SLACK of full
     checkpointing's recompute of the cheapest count as one price, and the one recomputing the
-    fewest layers whole among them is taken."""
+    fewest matmuls among them is taken."""
     plain_total = outside + sum(layer.plain for layer in layers)
     floor = outside + sum(min(layer.plain, layer.checkpointed) for layer in layers)
     full_s = sum(layer.seconds for layer in layers if layer.shed > 0)
@@ -118,24 +150,20 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
         if found is None:
             exact = False
             found = _greedy_cover(layers, need)
-        elif any(mode == KEEP_MATMULS for layer in layers for mode, _, _ in layer.options()):
-            cheapest = sum(_seconds(layers[i], mode) for i, mode in found)
-            found = _fewest_whole(layers, need, cheapest + SLACK * full_s) or found
+        elif any(mode in SELECTIVE for layer in layers for mode, _, _ in layer.options()):
+            cheapest = sum(layers[i].cost(mode) for i, mode in found)
+            found = _fewest_matmuls(layers, need, cheapest + SLACK * full_s) or found
         for i, mode in found:
             modes[i] = mode
         modes = _spread(layers, modes)
-    held = {PLAIN: lambda c: c.plain, FULL: lambda c: min(c.plain, c.checkpointed)}
-    total = outside + sum(
-        (layer.kept or 0.0) if mode == KEEP_MATMULS else held[mode](layer)
-        for layer, mode in zip(layers, modes)
-    )
+    total = outside + sum(layer.held(mode) for layer, mode in zip(layers, modes))
     return Plan(
         modes=modes,
         limit=limit,
         plain_total=plain_total,
         floor=floor,
         total=total,
-        recompute_s=sum(_seconds(layer, mode) for layer, mode in zip(layers, modes)),
+        recompute_s=sum(layer.cost(mode) for layer, mode in zip(layers, modes)),
         full_recompute_s=full_s,
         exact=exact,
         names=[layer.name for layer in layers],
@@ -173,43 +201,38 @@ def _cheapest_cover(layers: Sequence[LayerCost], need: float) -> list[tuple[int,
     return list(best[2]) if best is not None else None
 
 
-def _seconds(layer: LayerCost, mode: str) -> float:
-    """What running the layer in `mode` adds to the backward."""
-    return {PLAIN: 0.0, KEEP_MATMULS: layer.kept_seconds, FULL: layer.seconds}[mode]
-
-
-def _fewest_whole(
+def _fewest_matmuls(
     layers: Sequence[LayerCost], need: float, bound: float
 ) -> list[tuple[int, str]] | None:
     """Exact: among the choices shedding at least `need` bytes within `bound` seconds, the one
-    whose whole layers' recompute is least (ties: fewer seconds). Interchangeable layers are one
-    group (`_groups`), chosen by how many of them run whole and how many keep their matmuls; the
-    states kept between groups are those no other shedding as much beats on both seconds and
-    whole recompute (`_undominated`). None when they outgrow MAX_FRONT."""
-    # a state: (bytes shed, seconds, whole seconds, (whole, kept) per group)
-    states: list[tuple[float, float, float, tuple]] = [(0.0, 0.0, 0.0, ())]
+    whose matmul recompute (the seconds of its layers in RECOMPUTES_MATMULS) is least (ties: fewer
+    seconds). Interchangeable layers are one group (`_groups`), chosen by how many of them run in
+    each mode (`_mixes`, of which only those no other mix of the group beats on bytes shed, seconds
+    and matmul recompute at once can be part of the best); the states kept between groups are
+    those no other shedding as much beats on both seconds and matmul recompute (`_undominated`),
+    and that can still shed `need` with the groups left. None when they outgrow MAX_FRONT."""
     groups = list(_groups(layers).values())
+    picks, mixes = [], []
     for members in groups:
-        options = {mode: (more, cost) for mode, more, cost in layers[members[0]].options()[1:]}
-        full_shed, full_s = options.get(FULL, (0.0, 0.0))
-        kept_shed, kept_s = options.get(KEEP_MATMULS, (0.0, 0.0))
-        most_whole = len(members) if FULL in options else 0
+        options = layers[members[0]].options()[1:]
+        picks.append([mode for mode, _, _ in options])
+        found = _undominated(list(_mixes(len(members), options, bound)), need)
+        mixes.append(sorted(found, key=lambda mix: mix[1]))
+    # the most the groups from each one on can shed
+    reach = [0.0] * (len(groups) + 1)
+    for g in range(len(groups) - 1, -1, -1):
+        reach[g] = reach[g + 1] + max((mix[0] for mix in mixes[g]), default=0.0)
+    # a state: (bytes shed, seconds, matmul seconds, (counts per option) per group)
+    states: list[tuple[float, float, float, tuple]] = [(0.0, 0.0, 0.0, ())]
+    for g, group_mixes in enumerate(mixes):
         grown = []
-        for shed, seconds, whole, picked in states:
-            for w in range(most_whole + 1):
-                most_kept = len(members) - w if KEEP_MATMULS in options else 0
-                for k in range(most_kept + 1):
-                    cost = seconds + w * full_s + k * kept_s
-                    if cost > bound + 1e-12:
-                        break
-                    grown.append(
-                        (
-                            shed + w * full_shed + k * kept_shed,
-                            cost,
-                            whole + w * full_s,
-                            (*picked, (w, k)),
-                        )
-                    )
+        for shed, seconds, matmul, picked in states:
+            for more, cost, redone, counts in group_mixes:
+                if seconds + cost > bound + 1e-12:
+                    break
+                if shed + more + reach[g + 1] < need:
+                    continue
+                grown.append((shed + more, seconds + cost, matmul + redone, (*picked, counts)))
         states = _undominated(grown, need)
         if len(states) > MAX_FRONT:
             return None
@@ -218,20 +241,45 @@ def _fewest_whole(
         return None
     best = min(covering, key=lambda st: (st[2], st[1], -st[0]))
     out = []
-    for members, (w, k) in zip(groups, best[3]):
-        out += [(i, FULL) for i in members[:w]] + [(i, KEEP_MATMULS) for i in members[w : w + k]]
+    for members, modes, counts in zip(groups, picks, best[3]):
+        at = 0
+        for mode, count in zip(modes, counts):
+            out += [(i, mode) for i in members[at : at + count]]
+            at += count
     return out
+
+
+def _mixes(
+    n: int, options: list[tuple[str, float, float]], room: float
+) -> Iterator[tuple[float, float, float, tuple[int, ...]]]:
+    """Every way to run up to `n` like layers in `options` (the rest plain) within `room`
+    seconds: (bytes shed, seconds, matmul seconds, count per option)."""
+    if not options:
+        yield 0.0, 0.0, 0.0, ()
+        return
+    (mode, shed, cost), rest = options[0], options[1:]
+    redone = cost if mode in RECOMPUTES_MATMULS else 0.0
+    for count in range(n + 1):
+        if count * cost > room + 1e-12:
+            break
+        for more, spent, matmul, counts in _mixes(n - count, rest, room - count * cost):
+            yield (
+                count * shed + more,
+                count * cost + spent,
+                count * redone + matmul,
+                (count, *counts),
+            )
 
 
 def _undominated(
     states: list[tuple[float, float, float, tuple]], need: float
 ) -> list[tuple[float, float, float, tuple]]:
     """The states no other beats on bytes shed (up to `need`: beyond it all cover), seconds and
-    whole recompute at once: taken by bytes shed, most first, each kept only where no state
-    shedding as much is as cheap on both (a staircase of seconds against whole recompute)."""
+    matmul recompute at once: taken by bytes shed, most first, each kept only where no state
+    shedding as much is as cheap on both (a staircase of seconds against matmul recompute)."""
     out: list[tuple[float, float, float, tuple]] = []
     stair_s: list[float] = []  # seconds, rising
-    stair_w: list[float] = []  # the least whole recompute at those seconds or fewer, falling
+    stair_w: list[float] = []  # the least matmul recompute at those seconds or fewer, falling
     for state in sorted(states, key=lambda st: (-min(st[0], need), st[1], st[2])):
         at = bisect.bisect_right(stair_s, state[1])
         if at and stair_w[at - 1] <= state[2]:
@@ -282,20 +330,21 @@ def _greedy_cover(layers: Sequence[LayerCost], need: float) -> list[tuple[int, s
 def _spread(layers: Sequence[LayerCost], modes: list[str]) -> list[str]:
     """Among interchangeable layers (same kind, bytes and seconds) any arrangement of the same
     modes costs the same: the whole-layer ones go to every (n/k)-th, so the plan is what
-    transformers' `every_n_layers` would pick where it can; the matmul-keeping ones fill in
-    after them in order."""
+    transformers' `every_n_layers` would pick where it can; the selective ones fill in after
+    them, each lever spread over the layers left."""
     out = list(modes)
     for members in _groups(layers).values():
         full = sum(modes[i] == FULL for i in members)
-        kept = sum(modes[i] == KEEP_MATMULS for i in members)
         spots = [members[(j * len(members)) // full] for j in range(full)] if full else []
         rest = [i for i in members if i not in spots]
         for i in members:
-            out[i] = PLAIN
-        for i in spots:
-            out[i] = FULL
-        for j in range(kept):
-            out[rest[(j * len(rest)) // kept]] = KEEP_MATMULS
+            out[i] = FULL if i in spots else PLAIN
+        for lever in SELECTIVE:
+            count = sum(modes[i] == lever for i in members)
+            taken = [rest[(j * len(rest)) // count] for j in range(count)] if count else []
+            for i in taken:
+                out[i] = lever
+            rest = [i for i in rest if i not in taken]
     return out
 
 
@@ -310,6 +359,8 @@ def _groups(layers: Sequence[LayerCost]) -> dict[tuple, list[int]]:
             layer.seconds,
             layer.kept,
             layer.kept_seconds,
+            layer.attention,
+            layer.attention_seconds,
         )
         groups.setdefault(key, []).append(i)
     return groups

@@ -1,12 +1,14 @@
 """An 8-layer Llama (hidden 256, sdpa attention, batch 2 x 1024 tokens) trained three steps under
-GCPATCH_MEMORY_BUDGET=0.5, against the same model without checkpointing and with full
-checkpointing. Ordinary user code: nothing here imports gcpatch.
+GCPATCH_MEMORY_BUDGET (0.5, or --budget), against the same model without checkpointing and with
+full checkpointing. Ordinary user code: nothing here imports gcpatch.
 
 Per run the script measures by itself: what the forward of the last step holds for the backward
 (budget_train's dispatch mode), the FLOPs the step runs beyond the forward's (torch.utils.
 flop_counter: a backward with checkpointing recomputes, so its FLOPs minus those of the backward
 without checkpointing are the recompute), every gradient against the run without checkpointing,
-and how each layer runs (plain, checkpointed, checkpointed with a selective `context_fn`).
+how each layer runs (plain, checkpointed, checkpointed with a selective `context_fn`: the lever
+its policy names), and what share of full checkpointing's recompute is the fused attention
+kernel's forward (the part a layer keeping its attention output does not recompute).
 
 usage: budget_selective.py [--setup loop|lora|trainer] [--dropout 0.1]
   loop:    a training loop, `gradient_checkpointing_enable()`
@@ -16,6 +18,7 @@ usage: budget_selective.py [--setup loop|lora|trainer] [--dropout 0.1]
   --dropout: the attention's dropout, and LoRA's on the adapters' inputs
   --non-reentrant: the loop's enable asks use_reentrant=False (transformers 4.x defaults to
            reentrant, with which torch's selective checkpointing cannot run)
+  --budget: GCPATCH_MEMORY_BUDGET (default 0.5)
 prints one line: RESULT {json}
 """
 
@@ -26,7 +29,7 @@ import warnings
 import _common as c
 import torch
 from budget_train import HeldBytes, StepProbe
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils import flop_counter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BATCH, TOKENS, LAYERS = 2, 1024, 8
@@ -80,10 +83,11 @@ def run(args, checkpointing: bool) -> dict:
         with HeldBytes() as held:
             loss = model(input_ids=batch, labels=batch).loss
         out["held"] = held.alive()
-        counter = FlopCounterMode(display=False)
+        counter = counting()
         with counter:
             loss.backward()
         out["flops"] = counter.get_total_flops()
+        out["attention_flops"] = attention_flops(counter)
     out["grads"] = c.trainable_grads(model)
     out["modes"] = modes(model)
     return out
@@ -107,10 +111,11 @@ def trainer(args, checkpointing: bool) -> dict:
             return loss
 
         def training_step(self, *rest, **kwargs):
-            counter = FlopCounterMode(display=False)
+            counter = counting()
             with counter:
                 loss = super().training_step(*rest, **kwargs)
             out["flops"] = counter.get_total_flops()
+            out["attention_flops"] = attention_flops(counter)
             return loss
 
     probe = StepProbe(model, None, at=3)
@@ -123,6 +128,38 @@ def trainer(args, checkpointing: bool) -> dict:
     return out
 
 
+def counting():
+    """torch's FLOP counter, also counting CPU's fused attention kernel (torch.utils.flop_counter
+    has formulas for the CUDA kernels only), with the same formulas."""
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    mapping = {
+        getattr(aten, name): formula
+        for name, formula in (
+            ("_scaled_dot_product_flash_attention_for_cpu", forward),
+            ("_scaled_dot_product_flash_attention_for_cpu_backward", backward),
+        )
+        if hasattr(aten, name)
+    }
+    return flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def attention_flops(counter) -> int:
+    """The FLOPs of fused attention kernels' forwards the counter saw: in a backward, recompute."""
+    counts = counter.get_flop_counts().get("Global", {})
+    return sum(
+        n
+        for op, n in counts.items()
+        if str(op).startswith("aten._scaled_dot_product") and not str(op).endswith("_backward")
+    )
+
+
 def modes(model) -> list[str]:
     layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     return [_mode(m) for m in layers]
@@ -132,7 +169,10 @@ def _mode(layer) -> str:
     if not getattr(layer, "gradient_checkpointing", False):
         return "plain"
     func = getattr(layer, "_gradient_checkpointing_func", None)
-    return "selective" if "context_fn" in getattr(func, "keywords", {}) else "full"
+    context_fn = getattr(func, "keywords", {}).get("context_fn")
+    if context_fn is None:
+        return "full"
+    return getattr(getattr(context_fn, "__self__", None), "lever", "selective")
 
 
 def main() -> None:
@@ -140,12 +180,13 @@ def main() -> None:
     parser.add_argument("--setup", choices=("loop", "lora", "trainer"), default="loop")
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--non-reentrant", action="store_true")
+    parser.add_argument("--budget", default="0.5")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
     plain = run(args, checkpointing=False)
     full = run(args, checkpointing=True)
-    os.environ["GCPATCH_MEMORY_BUDGET"] = "0.5"
+    os.environ["GCPATCH_MEMORY_BUDGET"] = args.budget
     budget = run(args, checkpointing=True)
     os.environ.pop("GCPATCH_MEMORY_BUDGET")
     compared = c.compare_grads(budget["grads"], plain["grads"], atol=0.0)
@@ -157,6 +198,7 @@ def main() -> None:
             "held_fraction": budget["held"] / plain["held"],
             "full_held_fraction": full["held"] / plain["held"],
             "recompute_flops_share": (budget["flops"] - plain["flops"]) / full_recompute,
+            "attention_flops_share": full["attention_flops"] / full_recompute,
             "modes": budget["modes"],
             "wrong": compared["wrong"],
             "grad_none": compared["grad_none"],

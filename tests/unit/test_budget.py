@@ -181,29 +181,25 @@ def test_a_front_too_large_falls_back_to_cheapest_per_byte_and_says_so(monkeypat
 
 
 def _exhaustive_choices(layers, outside, limit, bound=None):
-    """Over all 3^n ways to run the layers (plain, keeping matmuls, whole) holding at most `limit`:
-    the least recompute, or (with `bound`) the least whole layers' recompute among those costing
-    at most `bound`. (cost, whole, held) of the best."""
+    """Over every way to run the layers (plain, keeping matmuls, keeping the attention output,
+    whole: each layer's offered options) holding at most `limit`: the least recompute, or (with
+    `bound`) the least matmul recompute (whole and attention-keeping layers' seconds) among those
+    costing at most `bound`. (cost, matmul, held) of the best."""
     best = None
-    for modes in itertools.product(range(3), repeat=len(layers)):
-        held, cost, whole, ok = outside, 0.0, 0.0, True
-        for layer, mode in zip(layers, modes):
-            if mode == 1 and "keep-matmuls" not in [m for m, *_ in layer.options()]:
-                ok = False  # offered only where it holds and costs less than whole
-                break
-            held += (layer.plain, layer.kept, layer.checkpointed)[mode] if mode != 1 else layer.kept
-            cost += (0.0, layer.kept_seconds, layer.seconds)[mode]
-            whole += layer.seconds if mode == 2 else 0.0
-        if not ok or held > limit or (bound is not None and cost > bound):
+    for picks in itertools.product(*(layer.options() for layer in layers)):
+        held = outside + sum(layer.plain - shed for layer, (_, shed, _) in zip(layers, picks))
+        cost = sum(seconds for _, _, seconds in picks)
+        matmul = sum(s for mode, _, s in picks if mode in ("full", "keep-attention"))
+        if held > limit or (bound is not None and cost > bound):
             continue
-        key = (cost, whole, held) if bound is None else (whole, cost, held)
+        key = (cost, matmul, held) if bound is None else (matmul, cost, held)
         if best is None or key < best[0]:
-            best = (key, (cost, whole, held))
+            best = (key, (cost, matmul, held))
     return None if best is None else best[1]
 
 
 choice_st = st.builds(
-    lambda plain, ckpt, kept, seconds, kept_share: LayerCost(
+    lambda plain, ckpt, kept, attention, seconds, kept_share, attention_share: LayerCost(
         "l",
         float(plain),
         float(min(ckpt, plain)),
@@ -211,21 +207,36 @@ choice_st = st.builds(
         "",
         None if kept is None else float(min(ckpt, plain) + kept),
         seconds / 10 * kept_share,
+        None if attention is None else float(min(ckpt, plain) + attention),
+        seconds / 10 * attention_share,
     ),
     st.integers(1, 60),
     st.integers(0, 20),
     st.one_of(st.none(), st.integers(0, 40)),
+    st.one_of(st.none(), st.integers(0, 15)),
     st.integers(0, 30),
     st.floats(0.0, 1.2),
+    st.floats(0.3, 1.2),
 )
 
 
+# like layers repeated (one group each, chosen by counts per mode), or all different
+repeated_st = st.lists(
+    st.tuples(choice_st, st.integers(1, 3)), min_size=1, max_size=3
+).map(lambda kinds: [layer for layer, times in kinds for _ in range(times)][:6])
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(choice_st, min_size=1, max_size=6), st.integers(0, 50), st.floats(0.0, 1.1))
+@given(
+    st.one_of(st.lists(choice_st, min_size=1, max_size=6), repeated_st),
+    st.integers(0, 50),
+    st.floats(0.0, 1.1),
+)
 def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, outside, fraction):
-    """A layer may also be checkpointed keeping its matmuls (fewer bytes shed, less recompute):
-    a multiple-choice knapsack, solved exactly; among the plans within SLACK of full
-    checkpointing's recompute of the cheapest, the one recomputing the fewest layers whole."""
+    """A layer may also be checkpointed keeping its matmuls or its attention output (fewer bytes
+    shed, less recompute): a multiple-choice knapsack, solved exactly; among the plans within
+    SLACK of full checkpointing's recompute of the cheapest, the one recomputing the fewest
+    matmuls (whole and attention-keeping layers' seconds)."""
     plain = outside + sum(l.plain for l in layers)
     limit = fraction * plain
     plan = solve(layers, float(outside), limit)
@@ -236,12 +247,13 @@ def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, ou
     assert cheapest is not None and plan.exact
     assert plan.total <= limit + 1e-9
     full_s = sum(l.seconds for l in layers if l.shed > 0)
-    bound = cheapest[0] + (solver.SLACK * full_s if any(l.kept is not None for l in layers) else 0)
+    selective = any(m in solver.SELECTIVE for l in layers for m, *_ in l.options())
+    bound = cheapest[0] + (solver.SLACK * full_s if selective else 0)
     assert plan.recompute_s <= bound + 1e-9
-    whole = sum(l.seconds for l, mode in zip(layers, plan.modes) if mode == "full")
+    matmul = sum(l.cost(m) for l, m in zip(layers, plan.modes) if m in ("full", "keep-attention"))
     fewest = _exhaustive_choices(layers, outside, limit, bound + 1e-9)
-    assert whole == pytest.approx(fewest[1], abs=1e-9)
-    assert plan.every_n_layers() is None or plan.kept_matmuls == 0
+    assert matmul == pytest.approx(fewest[1], abs=1e-9)
+    assert plan.every_n_layers() is None or plan.kept_matmuls == plan.kept_attention == 0
 
 
 def test_plans_within_the_clocks_slack_go_to_the_fewest_whole_layers():
@@ -263,3 +275,19 @@ def test_keeping_matmuls_is_chosen_where_it_sheds_enough_for_less():
     plan = solve([layer] * 4, 0.0, 140.0)
     assert plan.modes.count("keep-matmuls") == 2 and plan.count == 2
     assert plan.recompute_s == pytest.approx(2.0) and plan.total <= 140.0
+
+
+def test_keeping_the_attention_output_takes_whole_layers_places_under_a_tight_budget():
+    """8 like layers, 100 bytes plain, 2 whole, 60 keeping their matmuls (0.25 of a whole layer's
+    recompute), 4 keeping their attention output (0.7): at 240 bytes the plan without the
+    attention lever is 5 whole, 2 keeping matmuls and 1 plain (5.5 layers' recompute); with it the
+    5 run keeping their attention output instead (4.0)."""
+    kwargs = {"kept": 60.0, "kept_seconds": 0.25}
+    layer = LayerCost("l", 100.0, 2.0, 1.0, "block", attention=4.0, attention_seconds=0.7, **kwargs)
+    plan = solve([layer] * 8, 0.0, 240.0)
+    without = solve([LayerCost("l", 100.0, 2.0, 1.0, "block", **kwargs)] * 8, 0.0, 240.0)
+    assert plan.total <= 240.0 and without.total <= 240.0
+    assert plan.modes.count("full") == 0 and plan.kept_attention == 5, plan.modes
+    assert without.modes.count("full") == 5, without.modes
+    assert plan.recompute_s == pytest.approx(4.0) and without.recompute_s == pytest.approx(5.5)
+    assert plan.every_n_layers() is None

@@ -19,9 +19,10 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from gcpatch.budget import parse  # noqa: E402
 from gcpatch.step import planner, selective, shapes  # noqa: E402
 from gcpatch.step.cost_model import CostModel, Curve  # noqa: E402
+from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS  # noqa: E402
 
 
-def _llama(checkpointing: bool):
+def _llama(checkpointing: bool, dropout: float = 0.1):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=64,
@@ -30,22 +31,37 @@ def _llama(checkpointing: bool):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        attention_dropout=0.1,
+        attention_dropout=dropout,
         use_cache=False,
     )
+    config._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(config).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def _step(model, ids):
+def _step(model, ids, by_op: bool = False):
     torch.manual_seed(7)  # dropout draws the same masks in every run
     loss = model(input_ids=ids, labels=ids).loss
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_attention_counted())
     with counter:
         loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, counter.get_total_flops()
+    flops = counter.get_total_flops()
+    if by_op:
+        flops = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, flops
+
+
+def _attention_counted():
+    """torch's FLOP counter has formulas for the CUDA attention kernels only: CPU's fused kernel is
+    counted with the same one, so a recompute of it shows."""
+    from torch.utils import flop_counter
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    return {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: forward}
 
 
 def test_keeping_matmuls_is_exact_fires_and_recomputes_no_matmul():
@@ -54,7 +70,7 @@ def test_keeping_matmuls_is_exact_fires_and_recomputes_no_matmul():
     model = _llama(True)
     layers = list(model.model.layers)
     assert all(selective.available(m) for m in layers)
-    policies = [selective.KeepMatmuls() for _ in layers]
+    policies = [selective.Keep(KEEP_MATMULS) for _ in layers]
     for layer, policy in zip(layers, policies):
         layer._gradient_checkpointing_func = selective.keeping(
             layer._gradient_checkpointing_func, policy
@@ -63,6 +79,40 @@ def test_keeping_matmuls_is_exact_fires_and_recomputes_no_matmul():
     assert all(p.kept > 0 for p in policies)  # it fired in every layer
     assert all(torch.equal(grads[n], plain_grads[n]) for n in plain_grads)  # exact, dropout on
     assert flops == plain_flops  # matmuls kept: the backward recomputes none of them
+
+
+def test_keeping_the_attention_output_is_exact_fires_and_recomputes_all_but_attention():
+    """Without dropout CPU attention is one fused kernel: the lever keeps its output, so the
+    backward recomputes every matmul a whole layer recomputes and not the kernel (checkpointing
+    whole recomputes it, so this can fail)."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain_grads, plain = _step(_llama(False, dropout=0.0), ids, by_op=True)
+    _, whole = _step(_llama(True, dropout=0.0), ids, by_op=True)
+    model = _llama(True, dropout=0.0)
+    policies = [selective.Keep(KEEP_ATTENTION) for _ in model.model.layers]
+    for layer, policy in zip(model.model.layers, policies):
+        layer._gradient_checkpointing_func = selective.keeping(
+            layer._gradient_checkpointing_func, policy
+        )
+    grads, kept = _step(model, ids, by_op=True)
+    assert all(p.kept > 0 for p in policies)  # it fired in every layer
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in plain_grads)
+    kernel = "aten._scaled_dot_product_flash_attention_for_cpu"
+    assert whole[kernel] > 0 and plain.get(kernel, 0) == 0  # whole recomputes the kernel
+    assert kept.get(kernel, 0) == 0  # the lever does not
+    assert kept["aten.mm"] == whole["aten.mm"] > plain["aten.mm"]  # and recomputes every matmul
+
+
+def test_with_dropout_cpu_attention_is_unfused_and_the_attention_lever_keeps_nothing():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _llama(True)
+    policy = selective.Keep(KEEP_ATTENTION)
+    for layer in model.model.layers:
+        layer._gradient_checkpointing_func = selective.keeping(
+            layer._gradient_checkpointing_func, policy
+        )
+    grads, _ = _step(model, ids)
+    assert policy.kept == 0  # so it is not offered (shares) and, planned, falls back (fired)
 
 
 def test_a_reentrant_layer_or_a_users_own_context_fn_is_not_offered_the_lever():
@@ -79,20 +129,27 @@ def test_a_reentrant_layer_or_a_users_own_context_fn_is_not_offered_the_lever():
     reentrant = selective.not_offered([layer])
     assert selective.not_offered(list(model.model.layers)[1:]) is None  # the others offer it
     # what the budget's record says of the lever (`gcpatch explain`)
-    said = [
-        planner._keep_matmuls({"share": None, "not_offered": reason})
-        for reason in (user, reentrant)
-    ]
+    shares = {KEEP_MATMULS: None, KEEP_ATTENTION: None}
+    said = [planner._levers({"shares": shares, "not_offered": why}) for why in (user, reentrant)]
     assert said == [
-        "keeping the matmuls: not offered, the user's own context_fn stands as given",
-        "keeping the matmuls: not offered, reentrant checkpointing, which selective checkpointing"
-        " cannot run under (use_reentrant=False offers it)",
+        [
+            "keeping the matmuls: not offered, the user's own context_fn stands as given",
+            "keeping the attention output: not offered, the user's own context_fn stands as given",
+        ],
+        [
+            f"{name}: not offered, reentrant checkpointing, which selective checkpointing cannot"
+            " run under (use_reentrant=False offers it)"
+            for name in ("keeping the matmuls", "keeping the attention output")
+        ],
     ]
-    measured = planner._keep_matmuls({"share": 0.19, "not_offered": None})
-    assert (
-        measured
-        == "keeping the matmuls: costs 0.19 of a whole layer's recompute (measured on one layer)"
+    measured = planner._levers(
+        {"shares": {KEEP_MATMULS: 0.19, KEEP_ATTENTION: None}, "not_offered": None}
     )
+    assert measured == [
+        "keeping the matmuls: costs 0.19 of a whole layer's recompute (measured on one layer)",
+        "keeping the attention output: not chosen, its cost could not be told on this clock (or"
+        " its policy kept nothing)",
+    ]
 
 
 def _costs(layers: int) -> CostModel:
@@ -114,7 +171,7 @@ def test_a_layer_whose_policy_keeps_nothing_checkpoints_whole_from_the_next_step
     model = _llama(True)
     layers = list(model.model.layers)
     plans = shapes.ShapePlans(model, layers, _costs(2), parse("0.45"), "LlamaForCausalLM")
-    plans.policies[1].ops = frozenset()  # this layer's policy matches no op: it cannot fire
+    plans.policies[1][KEEP_MATMULS].ops = frozenset()  # it matches no op: it cannot fire
     first = plans.plan_for(1, 16)
     assert first.modes == ["keep-matmuls", "keep-matmuls"]
     plans.apply(first)
@@ -124,14 +181,14 @@ def test_a_layer_whose_policy_keeps_nothing_checkpoints_whole_from_the_next_step
     with caplog.at_level(logging.WARNING, logger="gcpatch"):
         plans.fired()
     [line] = [r.getMessage() for r in caplog.records if "saved nothing" in r.getMessage()]
-    assert "keeping the matmul outputs saved nothing in layer(s) 1" in line, line
+    assert "keeping the matmuls saved nothing in layer(s) 1" in line, line
     again = plans.plan_for(1, 16)
-    assert again.modes[1] != "keep-matmuls" and plans.misfired == {1}
+    assert again.modes[1] != "keep-matmuls" and plans.misfired == {(1, KEEP_MATMULS)}
     plans.apply(again)
     assert "context_fn" not in layers[1]._gradient_checkpointing_func.keywords
 
 
-# Samples of (plain, whole, keep) seconds `selective.ratio` measured on one decoder layer of an
+# Samples of (plain, whole, keep) seconds `selective.shares` measured on one decoder layer of an
 # 8-layer Llama, 2 rows, forward and backward, 5 rounds (milliseconds, process CPU time): hidden
 # 256 x 1024 tokens, fused attention and attention dropout 0.1 (CPU sdpa then takes the math path,
 # whose softmax and dropout over tokens x tokens a kept matmul does not spare); hidden 32 x 64
@@ -163,12 +220,13 @@ def _seconds(samples):
 
 
 def test_the_measured_share_is_of_the_modes_fastest_times_where_the_clock_can_tell():
-    assert selective._share(_seconds(FUSED)) == pytest.approx((254 - 239) / (292 - 239))
-    assert selective._share(_seconds(MATH_DROPOUT)) == pytest.approx((788 - 551) / (862 - 551))
+    share = selective._share
+    assert share(_seconds(FUSED), "keep") == pytest.approx((254 - 239) / (292 - 239))
+    assert share(_seconds(MATH_DROPOUT), "keep") == pytest.approx((788 - 551) / (862 - 551))
     # a loaded machine: recomputes of 3 and 7 ms against gaps of 6 and 13 ms between a mode's two
     # fastest times; neither chooses a lever (their medians said 0.48 and 1.70)
-    assert selective._share(_seconds(TINY_LOADED)) is None
-    assert selective._share(_seconds(TINY_LOADED_AGAIN)) is None
+    assert share(_seconds(TINY_LOADED), "keep") is None
+    assert share(_seconds(TINY_LOADED_AGAIN), "keep") is None
 
 
 def test_the_share_is_measured_on_one_layer_called_alone_and_touches_no_grad():
@@ -184,13 +242,16 @@ def test_the_share_is_measured_on_one_layer_called_alone_and_touches_no_grad():
         lambda m, a: calls.append(m.gradient_checkpointing)
     )
     with FlopCounterMode(display=False):
-        share = selective.ratio(layers, lambda: model(input_ids=ids))
+        shares = selective.shares(layers, lambda: model(input_ids=ids))
     handle.remove()
-    # the capturing forward, then the warm-up and measured rounds: plain, whole, keep each time
-    rounds = (len(calls) - 1) // 3
-    assert selective.ROUNDS + 1 <= rounds <= selective.MAX_ROUNDS + 1
-    assert calls == [False] + [False, True, True] * rounds
-    assert share is None or share >= 0.0
+    # the capturing forward, the warm-up round (plain, whole, each lever), then the measured rounds
+    # without the attention lever: with dropout CPU attention is unfused, there is no kernel to
+    # keep, and a lever that kept nothing is not timed
+    rounds = (len(calls) - 5) // 3
+    assert selective.ROUNDS <= rounds <= selective.MAX_ROUNDS
+    assert calls == [False] + [False, True, True, True] + [False, True, True] * rounds
+    assert shares[KEEP_MATMULS] is None or shares[KEEP_MATMULS] >= 0.0
+    assert shares[KEEP_ATTENTION] is None
     assert all(p.grad is None for p in model.parameters())
     assert all(vars(m).get("gradient_checkpointing") is False for m in layers)
     assert "context_fn" not in layers[0]._gradient_checkpointing_func.keywords
@@ -204,6 +265,6 @@ def test_a_layer_given_the_forwards_cache_is_measured_without_it():
     for layer in layers:
         layer.gradient_checkpointing = False
     ids = torch.randint(0, 64, (2, 16))
-    share = selective.ratio(layers, lambda: model(input_ids=ids, use_cache=True))
-    assert share is None or share >= 0.0
+    shares = selective.shares(layers, lambda: model(input_ids=ids, use_cache=True))
+    assert all(share is None or share >= 0.0 for share in shares.values())
     assert all(p.grad is None for p in model.parameters())

@@ -76,6 +76,7 @@ CONSTANT = {
     "resolve.TIE_VALUES",
     "schema.FAILURE_ORDER",
     "schema.STRENGTH_ORDER",
+    "step.selective.LEVERS",
     "step.verify.RTOL",
     "verify.__all__",
 }
