@@ -41,7 +41,9 @@ CASES = {
     "tight": ("--dropout", "0", "--non-reentrant", "--budget", "0.3"),
 }
 BUDGET = {"tight": 0.3}  # the others 0.5
-RUNS = [Spec(SCRIPT, args) for args in CASES.values()]
+# the tight plan, with both levers, confirmed on the real step (GCPATCH_VERIFY)
+ENV = {"tight": {"GCPATCH_VERIFY": "1"}}
+RUNS = [Spec(SCRIPT, args, env=tuple(ENV.get(name, {}).items())) for name, args in CASES.items()]
 LAYERS = 8
 TOLERANCE = 0.05
 TRAINABLE = {"fused": 75, "dropout": 75, "trainer-lora": 32, "tight": 75}
@@ -49,7 +51,8 @@ TRAINABLE = {"fused": 75, "dropout": 75, "trainer-lora": 32, "tight": 75}
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, script_runs):
-    run = script_runs.get(SCRIPT, *CASES[request.param], gcpatch=True)
+    name = request.param
+    run = script_runs.get(SCRIPT, *CASES[name], gcpatch=True, env=ENV.get(name))
     assert_installed_gcpatch_ran(run)
     return request.param, run
 
@@ -91,10 +94,15 @@ def test_a_tight_budget_keeps_attention_outputs_where_whole_layers_recomputed_th
     """At 0.3 the plan without the attention lever was 5 whole layers and 3 keeping their matmuls
     (0.625 of full checkpointing's FLOPs recomputed); layers keeping their attention output take
     the whole layers' place and recompute half as much (the kernel is half a layer's FLOPs)."""
-    r = script_runs.get(SCRIPT, *CASES["tight"], gcpatch=True).result
+    run = script_runs.get(SCRIPT, *CASES["tight"], gcpatch=True, env=ENV["tight"])
+    r = run.result
     assert r["attention_flops_share"] > 0.3, r  # the fused kernel is counted, and a big share
     assert r["modes"].count("keep-attention") >= LAYERS // 4, r["modes"]
     assert r["recompute_flops_share"] <= 0.5, r
+    # what the plan said the levers hold is what the real step held
+    [check] = [e["budget_verify"] for e in run.records() if e.get("stage") == "budget-verify"]
+    assert check["within"], check
+    assert check["held_bytes"] == pytest.approx(check["planned_bytes"], rel=0.02), check
 
 
 def test_the_line_says_how_many_layers_use_each_lever(case):

@@ -9,6 +9,7 @@ of (bytes shed, recompute) and checked against exhaustive search in tests/unit/t
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -19,9 +20,12 @@ SELECTIVE = (KEEP_ATTENTION, KEEP_MATMULS)
 # the modes that recompute a layer's matrix multiplies: whole, and keeping only the attention
 # kernel's output (its projections and MLP run again)
 RECOMPUTES_MATMULS = (FULL, KEEP_ATTENTION)
-# Beyond this many Pareto points (distinct sums of bytes shed) the exact search is cut short: the
-# cheapest-per-byte layers are taken instead, and the plan says so. Identical layers give n + 1.
-MAX_FRONT = 20000
+# Beyond this many Pareto points (distinct sums of bytes shed) the exact search is cut short, and
+# the greedy over each layer's convex hull of options is taken instead (`_greedy_cover`: within one
+# layer's recompute of the cheapest; the plan records it is not exact). Like layers give few points;
+# layers that each hold other bytes (MoE layers routed differently) many: 80 such layers took 4 to
+# 11 s to solve at 20000, in the step's pre-hook, and take well under one at this bound.
+MAX_FRONT = 2000
 # Plans whose measured recompute is within this share of full checkpointing's of the cheapest are
 # one price on this clock: the lever's measured cost moved by more between runs on a shared CPU
 # (keeping the matmuls measured 0.16 to 0.35 of a whole layer for one model). Among them the plan
@@ -315,16 +319,53 @@ def _pareto(points: dict[float, tuple[float, Pick]], need: float) -> dict:
 
 
 def _greedy_cover(layers: Sequence[LayerCost], need: float) -> list[tuple[int, str]]:
-    """Whole layers, the cheapest per byte first (the plan says it is not exact)."""
-    useful = [i for i, layer in enumerate(layers) if layer.shed > 0]
-    order = sorted(useful, key=lambda i: layers[i].seconds / layers[i].shed)
-    picked, shed = [], 0.0
-    for i in order:
-        if shed >= need:
-            break
-        picked.append((i, FULL))
-        shed += layers[i].shed
-    return picked
+    """Past MAX_FRONT (many layers, each holding other bytes: MoE layers routed differently):
+    each layer's options on the lower convex hull of (bytes shed, seconds) from plain, and the
+    steps up those hulls taken cheapest per byte first across layers until `need` is shed. The
+    greedy of the knapsack's linear relaxation: a lever that sheds enough for less is taken, and
+    the plan is within one step of the cheapest (it says it is not exact)."""
+    heap: list[tuple[float, int, int]] = []  # (seconds per byte of the step, layer, hull index)
+    hulls = []
+    for i, layer in enumerate(layers):
+        hull = _hull(layer.options())
+        hulls.append(hull)
+        if len(hull) > 1:
+            heapq.heappush(heap, (_slope(hull, 1), i, 1))
+    at = [0] * len(layers)
+    shed = 0.0
+    while heap and shed < need:
+        _, i, step = heapq.heappop(heap)
+        shed += hulls[i][step][1] - hulls[i][step - 1][1]
+        at[i] = step
+        if step + 1 < len(hulls[i]):
+            heapq.heappush(heap, (_slope(hulls[i], step + 1), i, step + 1))
+    return [(i, hulls[i][step][0]) for i, step in enumerate(at) if step]
+
+
+def _hull(options: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """The options on the lower convex hull of (bytes shed, seconds), plain first: each next one
+    sheds more, for more seconds per byte than the step before it (an option shedding less for no
+    fewer seconds than another is never on it)."""
+    plain, *rest = options
+    hull = [plain]
+    for point in sorted(rest, key=lambda o: (o[1], o[2])):
+        if point[1] <= hull[-1][1]:
+            continue  # sheds no more than one already on it, for no fewer seconds
+        while len(hull) > 1 and hull[-1][2] >= point[2]:
+            hull.pop()  # sheds less for no fewer seconds
+        while len(hull) >= 2 and _turns_up(hull[-2], hull[-1], point):
+            hull.pop()
+        hull.append(point)
+    return hull
+
+
+def _turns_up(a: tuple, b: tuple, c: tuple) -> bool:
+    """Whether b lies on or above the line from a to c (b is not on the lower hull)."""
+    return (b[2] - a[2]) * (c[1] - a[1]) >= (c[2] - a[2]) * (b[1] - a[1])
+
+
+def _slope(hull: list[tuple[str, float, float]], step: int) -> float:
+    return (hull[step][2] - hull[step - 1][2]) / (hull[step][1] - hull[step - 1][1])
 
 
 def _spread(layers: Sequence[LayerCost], modes: list[str]) -> list[str]:

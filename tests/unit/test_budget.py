@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -221,9 +222,9 @@ choice_st = st.builds(
 
 
 # like layers repeated (one group each, chosen by counts per mode), or all different
-repeated_st = st.lists(
-    st.tuples(choice_st, st.integers(1, 3)), min_size=1, max_size=3
-).map(lambda kinds: [layer for layer, times in kinds for _ in range(times)][:6])
+repeated_st = st.lists(st.tuples(choice_st, st.integers(1, 3)), min_size=1, max_size=3).map(
+    lambda kinds: [layer for layer, times in kinds for _ in range(times)][:6]
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -254,6 +255,25 @@ def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, ou
     fewest = _exhaustive_choices(layers, outside, limit, bound + 1e-9)
     assert matmul == pytest.approx(fewest[1], abs=1e-9)
     assert plan.every_n_layers() is None or plan.kept_matmuls == plan.kept_attention == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(choice_st, min_size=1, max_size=6), st.integers(0, 50), st.floats(0.0, 1.1))
+def test_past_the_front_limit_the_plan_holds_the_budget_within_one_step_of_the_cheapest(
+    layers, outside, fraction
+):
+    """Many layers each holding other bytes (MoE layers routed differently) outgrow the exact
+    search: the greedy over each layer's convex hull of options still holds the budget, takes the
+    levers, and costs at most one layer's recompute more than the cheapest plan."""
+    plain = outside + sum(l.plain for l in layers)
+    limit = fraction * plain
+    with mock.patch.object(solver, "MAX_FRONT", 0):
+        plan = solve(layers, float(outside), limit)
+    if plan.below_floor or plan.total <= limit and all(m == "plain" for m in plan.modes):
+        return
+    cheapest = _exhaustive_choices(layers, outside, limit)
+    assert not plan.exact and plan.total <= limit + 1e-9
+    assert plan.recompute_s <= cheapest[0] + max(l.seconds for l in layers) + 1e-9
 
 
 def test_plans_within_the_clocks_slack_go_to_the_fewest_whole_layers():
@@ -291,3 +311,26 @@ def test_keeping_the_attention_output_takes_whole_layers_places_under_a_tight_bu
     assert without.modes.count("full") == 5, without.modes
     assert plan.recompute_s == pytest.approx(4.0) and without.recompute_s == pytest.approx(5.5)
     assert plan.every_n_layers() is None
+
+
+def test_past_the_front_limit_layers_still_take_the_levers():
+    """12 layers of MoE-like differing sizes, each able to keep its matmuls (0.25 of its
+    recompute) or its attention output (0.7): the greedy plan sheds with the levers as the exact
+    one does, at most one layer's recompute dearer, where whole layers alone cost far more."""
+    rng = random.Random(1)
+    layers = []
+    for i in range(12):
+        f = rng.uniform(0.8, 1.2)
+        layers.append(LayerCost(str(i), 100 * f, 2 * f, f, "moe", 60 * f, 0.25 * f, 4 * f, 0.7 * f))
+    limit = 0.3 * sum(l.plain for l in layers)
+    with mock.patch.object(solver, "MAX_FRONT", 10**6):
+        exact = solve(layers, 0.0, limit)
+    with mock.patch.object(solver, "MAX_FRONT", 0):
+        greedy = solve(layers, 0.0, limit)
+    whole = solve(
+        [LayerCost(l.name, l.plain, l.checkpointed, l.seconds) for l in layers], 0.0, limit
+    )
+    assert exact.exact and not greedy.exact and greedy.total <= limit
+    assert greedy.modes.count("full") == 0 and greedy.kept_attention and greedy.kept_matmuls
+    assert greedy.recompute_s <= exact.recompute_s + max(l.seconds for l in layers)
+    assert greedy.recompute_s < whole.recompute_s - 2.0
