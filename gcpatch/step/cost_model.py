@@ -148,9 +148,9 @@ class CostModel:
             kinds=list(data["kinds"]),
             measured_at=[(int(r), int(t)) for r, t in data.get("measured_at", [])],
             tokens_measured=bool(data.get("tokens_measured", True)),
-            matmul=[Curve(**c) for c in data["matmul"]] if data.get("matmul") else None,
+            matmul=_read_curves(data.get("matmul")),
             kept_seconds=data.get("kept_seconds"),
-            attention=[Curve(**c) for c in data["attention"]] if data.get("attention") else None,
+            attention=_read_curves(data.get("attention")),
             attention_seconds=data.get("attention_seconds"),
         )
 
@@ -175,3 +175,7 @@ def _lever(
 
 def _curves(curves: list[Curve] | None) -> list[dict] | None:
     return [asdict(c) for c in curves] if curves is not None else None
+
+
+def _read_curves(data: list[dict] | None) -> list[Curve] | None:
+    return [Curve(**c) for c in data] if data else None
