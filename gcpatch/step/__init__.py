@@ -7,6 +7,7 @@ In the order the data flows:
 - `invisible`: what keeps gcpatch's own passes invisible to the user's step (and where it cannot)
 - `verify`: the check of checkpointing as applied against no checkpointing (GCPATCH_VERIFY=1)
 - `held`: the instrument of the bytes a forward holds for its backward
+- `heap`: the C heap's free memory handed back while gcpatch's own passes run
 - `layer_costs`: each layer's bytes and recompute, measured
 - `solver`: the cheapest plan that meets a budget (pure arithmetic)
 - `planner`: the budget at work (GCPATCH_MEMORY_BUDGET)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gcpatch.step import selective
+from gcpatch.step import heap, selective
 from gcpatch.step.batch import tensors
 from gcpatch.step.cost_model import CostModel, Curve
 from gcpatch.step.held import OUTSIDE, Held
@@ -90,6 +90,7 @@ def measure(
                 attention[i][(rows, tokens)] = float(held.attention.get(i, 0))
             outside[(rows, tokens)] = float(alive.get(OUTSIDE, 0))
             del graph, held, forward
+            heap.release()
     timed_at = (sizes[-1], lengths[-1])
     sync = _sync(model)
     seconds = _time_layers(layers, run(*timed_at), sync)

@@ -30,6 +30,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator, NamedTuple
 
+from gcpatch.step import heap
 from gcpatch.step.held import attention_ops, matmul_ops
 from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS
 
@@ -207,7 +208,10 @@ def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | N
             torch.autograd.grad(value, [hidden, *params], allow_unused=True)
             if cuda:
                 torch.cuda.synchronize()
-            return clock() - start
+            spent = clock() - start
+        del value
+        heap.release()  # outside the clock: what the step freed goes back (gcpatch/step/heap.py)
+        return spent
 
     for mode in modes:  # a warm-up round, not counted
         step(mode)

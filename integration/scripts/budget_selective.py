@@ -24,6 +24,7 @@ prints one line: RESULT {json}
 
 import argparse
 import os
+import resource
 import warnings
 
 import _common as c
@@ -199,6 +200,8 @@ def main() -> None:
             "full_held_fraction": full["held"] / plain["held"],
             "recompute_flops_share": (budget["flops"] - plain["flops"]) / full_recompute,
             "attention_flops_share": full["attention_flops"] / full_recompute,
+            # the process's peak resident memory over the three runs, MiB (Linux: KiB)
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "modes": budget["modes"],
             "wrong": compared["wrong"],
             "grad_none": compared["grad_none"],

@@ -17,6 +17,7 @@ STEP = {
     "step.batch",
     "step.invisible",
     "step.held",
+    "step.heap",
     "step.solver",
     "step.cost_model",
     "step.selective",
