@@ -153,8 +153,15 @@ def held_bytes() -> Iterator[Held]:
 def matmul_ops(torch: Any) -> frozenset:
     """The matrix multiplies and fused attention kernels as the dispatcher sees them (their
     `.default` overloads: a policy that names the packet, `aten.mm`, matches nothing,
-    pytorch/pytorch#176065): the work a selective checkpoint keeps instead of recomputing."""
-    return _overloads(torch, ("mm", "addmm", "bmm", "baddbmm")) | attention_ops(torch)
+    pytorch/pytorch#176065): the work a selective checkpoint keeps instead of recomputing. The
+    grouped ones are MoE experts' (transformers' `grouped_mm` experts implementation,
+    transformers/integrations/moe.py: `aten._grouped_mm`, or its own `grouped_mm_fallback` op
+    where torch's has no kernel), most of such a layer's matmul work."""
+    grouped = _overloads(torch, ("_grouped_mm",))
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if hasattr(fallback, "default"):
+        grouped |= {fallback.default}
+    return _overloads(torch, ("mm", "addmm", "bmm", "baddbmm")) | grouped | attention_ops(torch)
 
 
 def attention_ops(torch: Any) -> frozenset:

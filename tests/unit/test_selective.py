@@ -103,6 +103,71 @@ def test_keeping_the_attention_output_is_exact_fires_and_recomputes_all_but_atte
     assert kept["aten.mm"] == whole["aten.mm"] > plain["aten.mm"]  # and recomputes every matmul
 
 
+def _mixtral(checkpointing: bool):
+    """A tiny MoE: 4 experts, 2 per token, attention dropout and router jitter (both random, drawn
+    again in the recompute); transformers 5.x runs its experts as grouped matmuls."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        attention_dropout=0.1,
+        router_jitter_noise=0.1,
+        use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    model = transformers.MixtralForCausalLM(config).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _matmuls_in_backward(model, ids):
+    """The gradients, and how many matmuls (experts' grouped ones included) the backward ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]  # mm, addmm, bmm, _grouped_mm, grouped_mm_fallback
+            if name.removesuffix("_fallback").endswith("mm"):
+                calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(7)
+    loss = model(input_ids=ids, labels=ids).loss
+    with Counting():
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, calls
+
+
+def test_keeping_matmuls_in_moe_layers_keeps_the_experts_grouped_matmuls_and_is_exact():
+    """An MoE layer's experts are most of its matmul work: keeping the matmuls keeps theirs too
+    (transformers 5.x runs them as `aten._grouped_mm`, which a policy of mm/bmm alone missed: the
+    backward recomputed every expert). Routed the same in the recompute: gradients exact."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain_grads, plain = _matmuls_in_backward(_mixtral(False), ids)
+    _, whole = _matmuls_in_backward(_mixtral(True), ids)
+    model = _mixtral(True)
+    policies = [selective.Keep(KEEP_MATMULS) for _ in model.model.layers]
+    for layer, policy in zip(model.model.layers, policies):
+        layer._gradient_checkpointing_func = selective.keeping(
+            layer._gradient_checkpointing_func, policy
+        )
+    grads, kept = _matmuls_in_backward(model, ids)
+    assert all(p.kept > 0 for p in policies)
+    assert grads.keys() == plain_grads.keys()
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in plain_grads)
+    assert len(whole) > len(plain)  # whole checkpointing recomputes the experts, so this can fail
+    assert sorted(kept) == sorted(plain)  # the lever recomputes no matmul, experts' included
+
+
 def test_with_dropout_cpu_attention_is_unfused_and_the_attention_lever_keeps_nothing():
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     model = _llama(True)
