@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gcpatch.step.solver import LayerCost
+from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, LayerCost
 
 
 @dataclass(frozen=True)
@@ -108,14 +108,18 @@ class CostModel:
             at = plain(*self.timed_at)
             scale = p / at if at > 0 else (rows * tokens) / (self.timed_at[0] * self.timed_at[1])
             kind = self.kinds[i] if i < len(self.kinds) else ""
-            kept, kept_s = _lever(self.matmul, self.kept_seconds, i, rows, tokens, p, c, scale)
-            att, att_s = _lever(
-                self.attention, self.attention_seconds, i, rows, tokens, p, c, scale
-            )
+            kept, kept_s = _lever(*self.lever(KEEP_MATMULS), i, rows, tokens, p, c, scale)
+            att, att_s = _lever(*self.lever(KEEP_ATTENTION), i, rows, tokens, p, c, scale)
             out.append(
                 LayerCost(f"{i}", p, c, self.seconds[i] * scale, kind, kept, kept_s, att, att_s)
             )
         return out, self.outside(rows, tokens)
+
+    def lever(self, lever: str) -> tuple[list[Curve] | None, list[float | None] | None]:
+        """A selective lever's fitted bytes kept and measured seconds, per layer."""
+        if lever == KEEP_MATMULS:
+            return self.matmul, self.kept_seconds
+        return self.attention, self.attention_seconds
 
     def plain_total(self, rows: int, tokens: int) -> float:
         layers, outside = self.layers(rows, tokens)

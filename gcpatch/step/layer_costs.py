@@ -5,10 +5,11 @@ A plain layer holds what it allocated and is still alive; a checkpointed one hol
 (the next layer's input, which the plain layer also holds), so both are read from one plain forward
 counted by the instrument (gcpatch/step/held.py). Bytes are measured on one and two rows of the
 batch, at its token count and a truncated one, and fitted as a cost model of the shape
-(gcpatch/step/cost_model.py), so the measuring forwards never need the memory the budget is there to
-avoid and every later shape is planned without measuring again. Seconds are timed on a separate
-pass without the instrument, and averaged over layers of one kind holding the same bytes (they run
-the same kernels; the first one also pays warm-up).
+(gcpatch/step/cost_model.py), so the measuring forwards hold at most two rows' plain activations
+(a batch of one or two rows is measured whole, as it would run plain) and every later shape is
+planned without measuring again. Seconds are timed on a separate pass without the instrument, and
+averaged over layers of one kind holding the same bytes (they run the same kernels; the first one
+also pays warm-up).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class ShapePlans:
         self.layers = layers
         self.costs, self.chosen, self.name = costs, chosen, name
         self.plans: OrderedDict[tuple, solver.Plan] = OrderedDict()
-        self.first: list[bool] | None = None
+        self.first: list[str] | None = None  # the first plan's modes (levers told apart)
         self.last: solver.Plan | None = None  # the plan applied at the latest training forward
         self.largest = 0
         self.lines = 0
@@ -133,8 +133,8 @@ class ShapePlans:
     def fired(self) -> None:
         """After the first forward that ran a plan with a selective lever: a layer planned that
         way whose policy kept nothing did not do what the plan assumed; it checkpoints whole from
-        now on, said once per lever."""
-        if not self.ran or self.last is None:
+        now on, said once per lever (every lever checked: nothing to do, on every later step)."""
+        if not self.ran or self.last is None or len(self.checked) == len(solver.SELECTIVE):
             return
         modes = self.last.modes
         levers = {mode for mode in modes if mode in solver.SELECTIVE} - self.checked
@@ -150,12 +150,8 @@ class ShapePlans:
             return
         self.misfired.update(idle)
         self.plans.clear()  # solved again without the lever where it misfired
-        seconds = {
-            solver.KEEP_MATMULS: self.costs.kept_seconds,
-            solver.KEEP_ATTENTION: self.costs.attention_seconds,
-        }
         for i, mode in idle:
-            seconds[mode][i] = None  # type: ignore[index]
+            self.costs.lever(mode)[1][i] = None  # type: ignore[index]
         for lever in solver.SELECTIVE:
             layers = [str(i) for i, mode in idle if mode == lever]
             if layers:
@@ -208,7 +204,7 @@ class ShapePlans:
             f" (budget {size(plan.limit)})"
         )
         if self.first is None:  # the planner's own first line says it
-            self.first, self.largest = list(plan.checkpoint), rows * tokens
+            self.first, self.largest = list(plan.modes), rows * tokens
             return
         why = ""
         if plan.below_floor and not self.said_floor:
@@ -219,10 +215,10 @@ class ShapePlans:
             )
         elif rows * tokens > self.largest:
             why = "a new largest shape,"
-        elif plan.checkpoint != self.first and not self.said_changed:
+        elif plan.modes != self.first and not self.said_changed:
             why = "a shape with another plan,"
         self.largest = max(self.largest, rows * tokens)
-        self.said_changed = self.said_changed or plan.checkpoint != self.first
+        self.said_changed = self.said_changed or plan.modes != self.first
         line = f"gcpatch: rank {rank()} budget {self.name}: {why or 'shape'} {what}"
         level = logging.DEBUG
         if why and (self.lines < MAX_LINES or plan.below_floor):

@@ -19,6 +19,8 @@ usage: budget_selective.py [--setup loop|lora|trainer] [--dropout 0.1]
   --non-reentrant: the loop's enable asks use_reentrant=False (transformers 4.x defaults to
            reentrant, with which torch's selective checkpointing cannot run)
   --budget: GCPATCH_MEMORY_BUDGET (default 0.5)
+  --tokens: each step's token count (default 1024,1024,1024); lengths that differ (the loop alone)
+           report each step against the same step without checkpointing, and nothing else
 prints one line: RESULT {json}
 """
 
@@ -77,19 +79,24 @@ def run(args, checkpointing: bool) -> dict:
         model = lora(model, args)
     model.train()
     batch = ids()
-    out = {}
-    for step in range(3):  # the plan is made after the first forward; steps 2 and 3 run it
+    out = {"steps": []}
+    # the plan is made after the first forward; the later steps run it (each new length its own)
+    for step, length in enumerate(args.tokens):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(100 + step)
+        cut = batch[:, :length]
         with HeldBytes() as held:
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(input_ids=cut, labels=cut).loss
         out["held"] = held.alive()
         counter = counting()
         with counter:
             loss.backward()
         out["flops"] = counter.get_total_flops()
         out["attention_flops"] = attention_flops(counter)
-    out["grads"] = c.trainable_grads(model)
+        out["grads"] = c.trainable_grads(model)
+        out["steps"].append(
+            {"tokens": length, "held": out["held"], "modes": modes(model), "grads": out["grads"]}
+        )
     out["modes"] = modes(model)
     return out
 
@@ -182,9 +189,13 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--non-reentrant", action="store_true")
     parser.add_argument("--budget", default="0.5")
+    parser.add_argument("--tokens", default=f"{TOKENS},{TOKENS},{TOKENS}")
     args = parser.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
     warnings.filterwarnings("ignore")
     os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
+    if len(set(args.tokens)) > 1:
+        return steps(args)
     plain = run(args, checkpointing=False)
     full = run(args, checkpointing=True)
     os.environ["GCPATCH_MEMORY_BUDGET"] = args.budget
@@ -206,6 +217,30 @@ def main() -> None:
             "wrong": compared["wrong"],
             "grad_none": compared["grad_none"],
             "trainable": compared["trainable"],
+        }
+    )
+
+
+def steps(args) -> None:
+    """Batches of each length in turn (the loop alone): per step, what the forward held against
+    the same step without checkpointing, how each layer ran, and whether every gradient is exact."""
+    plain = run(args, checkpointing=False)
+    os.environ["GCPATCH_MEMORY_BUDGET"] = args.budget
+    budget = run(args, checkpointing=True)
+    os.environ.pop("GCPATCH_MEMORY_BUDGET")
+    c.emit(
+        {
+            "scenario": "budget_selective_steps",
+            "steps": [
+                {
+                    "tokens": b["tokens"],
+                    "held": b["held"],
+                    "plain_held": p["held"],
+                    "modes": b["modes"],
+                    "wrong": c.compare_grads(b["grads"], p["grads"], atol=0.0)["wrong"],
+                }
+                for b, p in zip(budget["steps"], plain["steps"])
+            ],
         }
     )
 
