@@ -22,23 +22,27 @@ from gcpatch.step.cost_model import CostModel, Curve  # noqa: E402
 from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS  # noqa: E402
 
 
-def _llama(checkpointing: bool, dropout: float = 0.1):
+def _tiny(family: str, checkpointing: bool, **config):
+    """A 2-layer model of `family` (Llama, Mixtral), hidden 32, sdpa, non-reentrant when enabled."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=64,
         hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        attention_dropout=dropout,
         use_cache=False,
+        **config,
     )
     config._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(config).train()
+    model = getattr(transformers, f"{family}ForCausalLM")(config).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _llama(checkpointing: bool, dropout: float = 0.1):
+    return _tiny("Llama", checkpointing, intermediate_size=64, attention_dropout=dropout)
 
 
 def _step(model, ids, by_op: bool = False):
@@ -106,25 +110,15 @@ def test_keeping_the_attention_output_is_exact_fires_and_recomputes_all_but_atte
 def _mixtral(checkpointing: bool):
     """A tiny MoE: 4 experts, 2 per token, attention dropout and router jitter (both random, drawn
     again in the recompute); transformers 5.x runs its experts as grouped matmuls."""
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
+    return _tiny(
+        "Mixtral",
+        checkpointing,
         intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_local_experts=4,
         num_experts_per_tok=2,
         attention_dropout=0.1,
         router_jitter_noise=0.1,
-        use_cache=False,
     )
-    config._attn_implementation = "sdpa"
-    model = transformers.MixtralForCausalLM(config).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
 
 
 def _matmuls_in_backward(model, ids):
