@@ -24,9 +24,9 @@ levers cannot run under, and there (the other runs on 4.57) the plan is of whole
 keeping the matmuls of every layer holds too much, and keeping the attention output (about 0.7 of
 a whole layer's recompute on this CPU, half its FLOPs) takes the place of whole layers. With
 dropout CPU attention runs unfused (softmax and dropout over tokens x tokens, recomputed by the
-matmul lever; no kernel for the attention lever to keep), keeping costs 0.7-0.9 of a whole layer,
-and the cheapest plan in time checkpoints more layers whole; there the FLOPs are only what its
-modes say."""
+matmul lever; no kernel for the attention lever to keep), keeping costs 0.55-0.65 of a whole
+layer on a quiet machine and up to 1.4 on a loaded one, where the cheapest plan in time
+checkpoints more layers whole; there the FLOPs are only what its modes say."""
 
 from __future__ import annotations
 
