@@ -96,7 +96,7 @@ def true_costs(m, ids) -> tuple[list, float]:
             graph = out.loss.grad_fn
             del out
             alive = held.alive()
-            costs = [(alive.get(i, 0), held.outputs_alive(i)) for i in range(len(layers))]
+            costs = [(alive.get(i, 0), held.checkpointed(i)) for i in range(len(layers))]
             outside = alive.get(OUTSIDE, 0)
             del graph, held
             seconds = _time_layers(layers, lambda: m(input_ids=ids), _sync(m))

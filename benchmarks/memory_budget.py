@@ -13,6 +13,8 @@ activation bytes one step holds, the matmul FLOPs its backward recomputes and it
     python benchmarks/memory_budget.py            # writes benchmarks/MEMORY_BUDGET.md, memory_budget.json/.png
     python benchmarks/memory_budget.py --configs 8x1024 --budgets 0.3,0.5,0.7
     python benchmarks/memory_budget.py --quick --out /tmp/x   # one small model, two budgets, no compile
+    python benchmarks/memory_budget.py --device cuda --hidden 1024 --dtype bfloat16 --configs 16x2048
+                                                   # on a GPU: writes MEMORY_BUDGET_GPU.md, memory_budget_gpu.json
 
 Run it with an interpreter that has gcpatch, transformers and (for the plot) matplotlib installed.
 FLOPs recomputed: torch.utils.flop_counter over one backward (matmuls and attention), less the
@@ -27,6 +29,12 @@ without inductor's ~40 s C++ build per budget on CPU; its times are therefore re
 own budget-1.0 run, not over eager. Times are the median of the timed steps (forward + backward) in
 CPU seconds of the one compute thread (OMP_NUM_THREADS=1), variants of one budget interleaved step
 by step, as a ratio over no checkpointing timed the same way.
+
+On a GPU (`--device cuda`) steps are timed in wall seconds between CUDA synchronizations, the peak
+CUDA memory of a step (over the memory allocated before it) is reported beside the counted bytes,
+torch.compile is not run, and a user's own selective checkpointing (the `selective` variant's
+`context_fn`) is timed with gcpatch switched off and on, step by step in one interpreter, as
+benchmarks/step_cost.py does on a CPU.
 """
 
 from __future__ import annotations
@@ -45,7 +53,10 @@ HERE = Path(__file__).resolve().parent
 BUDGETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 CONFIGS = [(8, 1024), (16, 1024)]
 QUICK = {"budgets": [0.5, 1.0], "configs": [(4, 32)], "compile": False}
-HIDDEN, BATCH, VOCAB = 256, 2, 256
+BATCH, VOCAB = 2, 256
+# what main's options set: the model's width and dtype, and the device it trains on
+SETUP = {"hidden": 256, "dtype": "float32", "device": "cpu"}
+CONTEXT_FN_PAIRS = 20  # plain/gcpatch step pairs of a user's own context_fn, on a GPU
 STEPS = 7
 TOLERANCE = 0.05
 
@@ -54,20 +65,34 @@ def model(layers: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    hidden = SETUP["hidden"]
+    heads = max(hidden // 64, 1)  # 4 at 256: heads of 64, two queries per key/value head
     torch.manual_seed(0)
-    m = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=HIDDEN * 43 // 16,  # 688 at 256: Llama's ratio, a multiple of 8
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            use_cache=False,
+    with torch.device(SETUP["device"]):
+        m = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=hidden,
+                intermediate_size=hidden * 43 // 16,  # 688 at 256: Llama's ratio, a multiple of 8
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=max(heads // 2, 1),
+                tie_word_embeddings=False,
+                use_cache=False,
+            )
         )
-    )
-    return m.train()
+    return m.to(getattr(torch, SETUP["dtype"])).train()
+
+
+def on_gpu() -> bool:
+    return SETUP["device"].startswith("cuda")
+
+
+def synchronize() -> None:
+    if on_gpu():
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def held(m, ids) -> int:
@@ -102,20 +127,36 @@ def saved(fn) -> int:
 
 
 def backward_flops(m, ids) -> int:
-    """The FLOPs of one backward (matmuls and attention, torch.utils.flop_counter; its formulas
-    cover the CUDA attention kernels only, and CPU's fused one is counted with the same)."""
+    """The FLOPs of one backward (matmuls and attention, torch.utils.flop_counter). Its attention
+    formulas cover the CUDA kernels with as many key/value heads as query heads: each fused kernel
+    is counted here with the same formula, key and value widened to the query's heads (CPU's
+    kernel, and grouped-query attention, which transformers hands to a GPU's kernel unrepeated)."""
     import torch
     from torch.utils import flop_counter
 
+    def widened(query, key):
+        return (*key[:1], query[1], *key[2:])
+
     def forward(query, key, value, *args, out_shape=None, **kwargs):
-        return flop_counter.sdpa_flop_count(query, key, value)
+        return flop_counter.sdpa_flop_count(query, widened(query, key), widened(query, value))
 
     def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
-        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+        return flop_counter.sdpa_backward_flop_count(
+            grad_out, query, widened(query, key), widened(query, value)
+        )
 
     aten = torch.ops.aten
-    cpu = "_scaled_dot_product_flash_attention_for_cpu"
-    mapping = {getattr(aten, cpu): forward, getattr(aten, f"{cpu}_backward"): backward}
+    kernels = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    mapping = {}
+    for name in kernels:
+        if hasattr(aten, name) and hasattr(aten, f"{name}_backward"):
+            mapping[getattr(aten, name)] = forward
+            mapping[getattr(aten, f"{name}_backward")] = backward
     loss = m(input_ids=ids, labels=ids).loss
     counter = flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
     with counter:
@@ -126,11 +167,56 @@ def backward_flops(m, ids) -> int:
 
 def step(m, ids) -> float:
     """CPU seconds of this thread, the one torch computes on (one intra-op thread): the other
-    jobs of a shared machine take wall time, not this thread's CPU time."""
-    start = time.thread_time()
+    jobs of a shared machine take wall time, not this thread's CPU time. On a GPU, wall seconds
+    between synchronizations."""
+    clock = time.perf_counter if on_gpu() else time.thread_time
+    synchronize()
+    start = clock()
     m(input_ids=ids, labels=ids).loss.backward()
     m.zero_grad(set_to_none=True)
-    return time.thread_time() - start
+    synchronize()
+    return clock() - start
+
+
+def peak(m, ids) -> int | None:
+    """The peak CUDA memory of one step over what was allocated before it (None off a GPU)."""
+    if not on_gpu():
+        return None
+    import torch
+
+    synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(m, ids)
+    return torch.cuda.max_memory_allocated() - before
+
+
+def context_fn_sides(m, ids) -> dict:
+    """A user's own context_fn (the `selective` model), gcpatch off against on, step by step in
+    one interpreter: `gcpatch.deactivate()` / `activate()` and the model enabled again between
+    steps, untimed, with one untimed step after each switch (benchmarks/step_cost.py's method).
+    Median seconds of each side."""
+    import gcpatch
+
+    asked = dict(m.model.layers[0]._gradient_checkpointing_func.keywords)
+    asked.pop("function", None)
+
+    def switch(on: bool) -> None:
+        gcpatch.activate() if on else gcpatch.deactivate()
+        if getattr(m, "_require_grads_hook", None) is not None:
+            m.disable_input_require_grads()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(asked))
+        func = m.model.layers[0]._gradient_checkpointing_func
+        assert func.keywords.get("context_fn") is asked["context_fn"], ("context_fn lost", func)
+
+    times: dict[str, list[float]] = {"plain": [], "gcpatch": []}
+    for index in range(CONTEXT_FN_PAIRS):
+        for on in (False, True) if index % 2 == 0 else (True, False):
+            switch(on)
+            step(m, ids)
+            times["gcpatch" if on else "plain"].append(step(m, ids))
+    switch(True)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def timed(variants: dict, ids) -> dict:
@@ -196,6 +282,7 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
     import torch
 
     ids = torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(SETUP["device"])
     plain = model(layers)
     full = every_n(layers, 1)
     by_hand = selective(layers)
@@ -216,6 +303,13 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
         "flops": flops,
         "budgets": {},
     }
+    if on_gpu():
+        out["peak"] = {"plain": peak(plain, ids), "full": peak(full, ids)}
+        out["peak"]["selective"] = peak(by_hand, ids)
+        out["context_fn_seconds"] = context_fn_sides(by_hand, ids)
+        print(
+            f"L={layers} seq={seq}: a user's own context_fn {out['context_fn_seconds']}", flush=True
+        )
     compiled_ref = None
     for budget in budgets:
         limit = budget * plain_held
@@ -253,6 +347,8 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
             },
             "seconds": times,
         }
+        if on_gpu():
+            row["peak"] = {"gcpatch": peak(ours, ids), "every_n": peak(variants["every_n"], ids)}
         if with_compile:
             row["compile"] = compiled(layers, budget, ids)
             if budget == 1.0:
@@ -313,6 +409,10 @@ def summarise(raw: dict) -> list[dict]:
                 extra = flops["full"] - flops["plain"]
                 for v in ("gcpatch", "every_n", "selective"):
                     r[f"{v}_flops"] = (flops[v] - flops["plain"]) / extra if extra else None
+            if "peak" in cfg:  # on a GPU: peak CUDA memory of a step, over no checkpointing's
+                peaks = {**cfg["peak"], **row["peak"]}
+                for v in ("gcpatch", "full", "every_n", "selective"):
+                    r[f"{v}_peak"] = peaks[v] / peaks["plain"]
             if "compile" in row:
                 r["compile_bytes"] = row["compile"]["saved_bytes"] / cfg["plain_saved_bytes"]
                 r["compile_time"] = row["compile"]["seconds"] / ref["seconds"] if ref else None
@@ -342,14 +442,31 @@ def _shares(shares: dict) -> str:
 
 def write(raw: dict, out: Path, quick: bool) -> None:
     rows = summarise(raw)
+    setup = raw.get("setup", SETUP)  # runs before the GPU option had none: the CPU defaults
+    if setup["device"].startswith("cuda"):
+        where = (
+            f" --device {setup['device']} --hidden {setup['hidden']} --dtype {setup['dtype']} on "
+            f"{raw['gpu']} (torch {raw['torch']}, transformers {raw['transformers']}, commit "
+            f"{raw['commit']}; steps timed in wall seconds between CUDA synchronizations). Llama, "
+            f"hidden {setup['hidden']}, batch {BATCH}, vocab {VOCAB}, {setup['dtype']}, GPU. peak: "
+            "a step's peak CUDA memory over what was allocated before it, over no checkpointing's; "
+            "torch.compile is not run on the GPU."
+        )
+        clock = "wall time between CUDA synchronizations"
+    else:
+        where = (
+            f" on {raw['machine']} (torch {raw['torch']}, transformers {raw['transformers']}, commit "
+            f"{raw['commit']}, {raw['threads']} thread(s), on a machine shared with other jobs, so "
+            f"steps are timed in CPU seconds of the compute thread). Llama, hidden "
+            f"{setup['hidden']}, batch {BATCH}, vocab {VOCAB}, fp32, CPU."
+        )
+        clock = "thread CPU time"
     lines = [
         "# Memory budget: gcpatch's plan against full checkpointing, every_n_layers and torch.compile",
         "",
         "Generated by `python benchmarks/memory_budget.py`"
         + (" --quick (a smoke run)" if quick else "")
-        + f" on {raw['machine']} (torch {raw['torch']}, transformers {raw['transformers']}, commit {raw['commit']}, "
-        f"{raw['threads']} thread(s), on a machine shared with other jobs, so steps are timed in CPU seconds of "
-        f"the compute thread). Llama, hidden {HIDDEN}, batch {BATCH}, vocab {VOCAB}, fp32, CPU.",
+        + where,
         "",
         "- bytes: what one step's forward holds for its backward / the same without checkpointing;",
         "- FLOPs: matmul and attention FLOPs the backward recomputes / what full checkpointing "
@@ -361,7 +478,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         "recompute (the solver's input);",
         "- selective: torch's selective checkpointing by hand on every layer (a `context_fn` saving "
         "matmuls and attention kernels);",
-        f"- time: step (forward + backward) / no checkpointing, median of {STEPS} steps (thread CPU time), "
+        f"- time: step (forward + backward) / no checkpointing, median of {STEPS} steps ({clock}), "
         "variants interleaved;",
         "- `n`: the best `every_n_layers` by hand, the largest whose step meets the budget (0: no "
         "checkpointing meets it, 1: full checkpointing when none does);",
@@ -381,6 +498,10 @@ def write(raw: dict, out: Path, quick: bool) -> None:
     if any("compile_bytes" in r for r in rows):
         head += " compile bytes | compile time |"
         sep += "---|---|"
+    peaks = ("gcpatch", "full", "every_n", "selective")
+    if any("gcpatch_peak" in r for r in rows):
+        head += " " + " | ".join(f"{v} peak" for v in peaks) + " |"
+        sep += "---|" * len(peaks)
     lines += [head, sep]
     for r in rows:
         over = "" if r["met"] else " (over)"
@@ -399,6 +520,8 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         if "compile_bytes" in r:
             compile_time = f"{r['compile_time']:.3f}" if r["compile_time"] else "-"
             line += f" {r['compile_bytes']:.3f} | {compile_time} |"
+        if "gcpatch_peak" in r:
+            line += " " + " | ".join(f"{r[f'{v}_peak']:.3f}" for v in peaks) + " |"
         lines.append(line)
     met = sum(r["met"] for r in rows)
     lines += [
@@ -425,8 +548,25 @@ def write(raw: dict, out: Path, quick: bool) -> None:
                 f"overhead {ours:+.1%} (full checkpointing {full:+.1%}): {verdict} half of full "
                 f"checkpointing's{said}"
             )
-    lines += ["", f"Plot: `memory_budget.png` ({raw.get('plot', '')}).", ""]
-    (out / "MEMORY_BUDGET.md").write_text("\n".join(lines))
+    for cfg in raw["configs"]:
+        if "context_fn_seconds" in cfg:
+            sides = cfg["context_fn_seconds"]
+            lines.append(
+                f"- {cfg['layers']} layers, seq {cfg['seq']}: a user's own context_fn (the selective "
+                f"variant), median step {sides['plain'] * 1e3:.2f} ms with gcpatch off, "
+                f"{sides['gcpatch'] * 1e3:.2f} ms on ({sides['gcpatch'] / sides['plain']:.3f}x; "
+                f"{CONTEXT_FN_PAIRS} pairs, gcpatch switched step by step in one interpreter)"
+            )
+    md, _, png = names(raw)
+    lines += ["", f"Plot: `{png}` ({raw.get('plot', '')}).", ""]
+    (out / md).write_text("\n".join(lines))
+
+
+def names(raw: dict) -> tuple[str, str, str]:
+    """The table, raw results and plot files of a run: a GPU's beside the CPU's, not over them."""
+    if raw.get("setup", SETUP)["device"].startswith("cuda"):
+        return "MEMORY_BUDGET_GPU.md", "memory_budget_gpu.json", "memory_budget_gpu.png"
+    return "MEMORY_BUDGET.md", "memory_budget.json", "memory_budget.png"
 
 
 def _fraction(value: float | None) -> str:
@@ -495,15 +635,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--configs", help="layers x tokens, comma-separated: 8x1024,16x1024")
     parser.add_argument("--budgets", help="comma-separated: 0.3,0.5,0.7")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (no torch.compile there)")
+    parser.add_argument("--hidden", type=int, default=SETUP["hidden"])
+    parser.add_argument("--dtype", default=SETUP["dtype"], help="float32, bfloat16")
     parser.add_argument(
         "--from-json", type=Path, help="rewrite the table and plot from a run's memory_budget.json"
     )
     args = parser.parse_args(argv)
     if args.from_json:
         raw = json.loads(args.from_json.read_text())
-        raw["plot"] = plot(raw, args.out / "memory_budget.png")
+        raw["plot"] = plot(raw, args.out / names(raw)[2])
         write(raw, args.out, quick=False)
         return 0
+    SETUP.update(device=args.device, hidden=args.hidden, dtype=args.dtype)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -517,8 +661,10 @@ def main(argv: list[str] | None = None) -> int:
         budgets = [float(b) for b in args.budgets.split(",")]
     if args.configs:
         configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
-    with_compile = not args.quick and not args.no_compile
+    with_compile = not args.quick and not args.no_compile and not on_gpu()
     raw = {
+        "setup": dict(SETUP),
+        "gpu": torch.cuda.get_device_name() if on_gpu() else None,
         "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -527,10 +673,11 @@ def main(argv: list[str] | None = None) -> int:
         "configs": [one_config(layers, seq, budgets, with_compile) for layers, seq in configs],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    raw["plot"] = plot(raw, args.out / "memory_budget.png")
-    (args.out / "memory_budget.json").write_text(json.dumps(raw, indent=1))
+    md, data, png = names(raw)
+    raw["plot"] = plot(raw, args.out / png)
+    (args.out / data).write_text(json.dumps(raw, indent=1))
     write(raw, args.out, args.quick)
-    print((args.out / "MEMORY_BUDGET.md").read_text())
+    print((args.out / md).read_text())
     return 0
 
 

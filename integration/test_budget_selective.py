@@ -40,8 +40,11 @@ CASES = {
     "dropout": ("--dropout", "0.1"),
     "trainer-lora": ("--setup", "trainer", "--dropout", "0.1"),
     "tight": ("--dropout", "0", "--non-reentrant", "--budget", "0.3"),
+    # bf16: a plain forward lets each layer's input die (its norm saves an fp32 copy), a checkpoint
+    # keeps it; counted as held by the checkpointed layers only, the plan ended 15-25% over
+    "bf16": ("--dropout", "0", "--non-reentrant", "--budget", "0.15", "--dtype", "bfloat16"),
 }
-BUDGET = {"tight": 0.3}  # the others 0.5
+BUDGET = {"tight": 0.3, "bf16": 0.15}  # the others 0.5
 # the tight plan, with both levers, confirmed on the real step (GCPATCH_VERIFY)
 ENV = {"tight": {"GCPATCH_VERIFY": "1"}}
 # batches of 1024, 512, 768 and 1024 tokens under a size: each new shape planned for itself
@@ -61,7 +64,7 @@ LAYERS = 8
 LEVER_MODES = ("keep-matmuls", "keep-attention")
 HIDDEN_STATE_BYTES = 2 * 1024 * 256 * 4  # batch x tokens x hidden, float32
 TOLERANCE = 0.05
-TRAINABLE = {"fused": 75, "dropout": 75, "trainer-lora": 32, "tight": 75}
+TRAINABLE = {"fused": 75, "dropout": 75, "trainer-lora": 32, "tight": 75, "bf16": 75}
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -36,6 +36,8 @@ class Held:
             int, tuple[Any, int, int]
         ] = {}  # storage key -> (weak ref, bytes, layer index)
         self.outputs: dict[int, set[int]] = {}  # layer index -> storage keys of its outputs
+        # layer index -> its tensor inputs this forward made: storage key -> (weak ref, bytes)
+        self.inputs: dict[int, dict[int, tuple[Any, int]]] = {}
         # layer index -> bytes its matrix multiplies and attention kernels produced (alive or not):
         # what a selective checkpoint that keeps them (gcpatch/step/selective.py) holds besides
         # the layer's outputs
@@ -60,7 +62,9 @@ class Held:
 
     def __enter__(self) -> "Held":
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._enter_layer(index)))
+            self._handles.append(
+                layer.register_forward_pre_hook(self._enter_layer(index), with_kwargs=True)
+            )
             self._handles.append(
                 layer.register_forward_hook(self._leave_layer(index), always_call=True)
             )
@@ -88,17 +92,30 @@ class Held:
     def total(self, returned: Any = None) -> int:
         return sum(self.alive(returned).values())
 
-    def outputs_alive(self, index: int) -> int:
+    def checkpointed(self, index: int) -> int:
+        """What the layer holds checkpointed whole, read from a plain forward: its outputs still
+        alive (the next layer holds them either way), and the inputs this forward made that died
+        in it (a checkpoint keeps them: the first op of a bf16 layer's RMSNorm saves an fp32 copy,
+        not the input itself)."""
         total = 0
         for key in self.outputs.get(index, ()):
             entry = self.created.get(key)
             if entry is not None and entry[2] == index and not entry[0].expired():
                 total += entry[1]
+        outputs = self.outputs.get(index, set())
+        for key, (ref, nbytes) in self.inputs.get(index, {}).items():
+            if key not in outputs and ref.expired():
+                total += nbytes
         return total
 
     def _enter_layer(self, index: int) -> Callable[..., None]:
-        def hook(module: Any, args: Any) -> None:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
             self._stack.append(index)
+            made = self.inputs.setdefault(index, {})
+            for key in map(self._key, tensors(self._torch, (args, kwargs))):
+                entry = self.created.get(key)  # read now: a freed storage's key can come again
+                if entry is not None and not entry[0].expired():
+                    made[key] = (entry[0], entry[1])
 
         return hook
 

@@ -1,9 +1,11 @@
 """What each checkpointable layer costs, measured: the activation bytes it holds after the forward,
 plain and checkpointed, and the seconds its recompute takes.
 
-A plain layer holds what it allocated and is still alive; a checkpointed one holds only its outputs
-(the next layer's input, which the plain layer also holds), so both are read from one plain forward
-counted by the instrument (gcpatch/step/held.py). Bytes are measured on one and two rows of the
+A plain layer holds what it allocated and is still alive; a checkpointed one holds only its inputs
+and outputs: its outputs where the next layer holds them plain too, its inputs where nothing else
+does (in bf16, a Llama layer's first op saves an fp32 copy of its input, so the plain run lets the
+input die and a checkpoint keeps it), so both are read from one plain forward counted by the
+instrument (gcpatch/step/held.py). Bytes are measured on one and two rows of the
 batch, at its token count and a truncated one, and fitted as a cost model of the shape
 (gcpatch/step/cost_model.py), so the measuring forwards hold at most two rows' plain activations
 (a batch of one or two rows is measured whole, as it would run plain) and every later shape is
@@ -86,7 +88,7 @@ def measure(
             alive = held.alive()
             for i in range(n):
                 plain[i][(rows, tokens)] = float(alive.get(i, 0))
-                ckpt[i][(rows, tokens)] = float(held.outputs_alive(i))
+                ckpt[i][(rows, tokens)] = float(held.checkpointed(i))
                 matmul[i][(rows, tokens)] = float(held.matmul.get(i, 0))
                 attention[i][(rows, tokens)] = float(held.attention.get(i, 0))
             outside[(rows, tokens)] = float(alive.get(OUTSIDE, 0))

@@ -19,6 +19,8 @@ usage: budget_selective.py [--setup loop|lora|trainer] [--dropout 0.1]
   --non-reentrant: the loop's enable asks use_reentrant=False (transformers 4.x defaults to
            reentrant, with which torch's selective checkpointing cannot run)
   --budget: GCPATCH_MEMORY_BUDGET (default 0.5)
+  --dtype: the model's dtype (float32 by default; in bfloat16 a layer's norm saves an fp32 copy
+           of its input, so only a checkpoint holds the input itself)
   --tokens: each step's token count (default 1024,1024,1024); lengths that differ (the loop alone)
            report each step against the same step without checkpointing, and nothing else
 prints one line: RESULT {json}
@@ -55,7 +57,7 @@ def build(args):
         max_position_embeddings=TOKENS,
     )
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).to(getattr(torch, args.dtype))
 
 
 def ids():
@@ -190,6 +192,7 @@ def main() -> None:
     parser.add_argument("--non-reentrant", action="store_true")
     parser.add_argument("--budget", default="0.5")
     parser.add_argument("--tokens", default=f"{TOKENS},{TOKENS},{TOKENS}")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     warnings.filterwarnings("ignore")

@@ -4,6 +4,8 @@ by hand."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -78,6 +80,47 @@ def test_a_plan_holds_what_it_predicts():
     assert held.total() == plan.total
     out.sum().backward()  # the checkpointed stack still trains
     assert all(p.grad is not None for p in model.parameters())
+
+
+class Residual(Switchable):
+    """x + W2 relu(W1 (2x)): no op saves the block's input or its output (a scalar product and a
+    sum save nothing), as in a bf16 Llama layer whose norm saves an fp32 copy of its input. Plain,
+    it holds 2x (WIDTH) and its hidden relu (4*WIDTH) a row and lets its input die; checkpointed,
+    it holds its input alone, which the plain forward never shows alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = torch.nn.Linear(4 * WIDTH, WIDTH)
+
+    def _body(self, x):
+        return x + self.down(torch.relu(self.up(x * 2.0)))
+
+
+def test_a_checkpointed_layer_holds_the_input_a_plain_forward_lets_die():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Residual() for _ in range(4)))
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    measured = layer_costs.measure(
+        model,
+        list(model),
+        lambda rows, tokens: lambda: model(x[:rows] * 1.0),  # an input this forward makes
+        (BATCH, 1),
+        ["Residual"] * 4,
+    )
+    for layer in measured.layers:
+        assert layer.plain == BATCH * 5 * WIDTH * F32
+        assert layer.checkpointed == BATCH * WIDTH * F32
+    for flags in itertools.product((False, True), repeat=4):
+        for block, flag in zip(model, flags):
+            block.checkpointed = flag
+        with held_bytes() as held:
+            out = model(x * 1.0)
+        predicted = measured.outside + sum(
+            c.checkpointed if flag else c.plain for c, flag in zip(measured.layers, flags)
+        )
+        assert held.total(returned=out) == predicted, flags
+        del out
 
 
 class Attention(Switchable):
