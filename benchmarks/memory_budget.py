@@ -56,7 +56,7 @@ QUICK = {"budgets": [0.5, 1.0], "configs": [(4, 32)], "compile": False}
 BATCH, VOCAB = 2, 256
 # what main's options set: the model's width and dtype, and the device it trains on
 SETUP = {"hidden": 256, "dtype": "float32", "device": "cpu"}
-CONTEXT_FN_PAIRS = 20  # plain/gcpatch step pairs of a user's own context_fn, on a GPU
+CONTEXT_FN_PAIRS = 40  # plain/gcpatch step pairs of a user's own context_fn, on a GPU
 STEPS = 7
 TOLERANCE = 0.05
 
@@ -294,6 +294,7 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
     by_n = {0: plain_held, **{n: held(every_n(layers, n), ids) for n in range(1, layers + 1)}}
     out = {
         "layers": layers,
+        "hidden": SETUP["hidden"],
         "seq": seq,
         "plain_bytes": plain_held,
         "full_bytes": full_held,
@@ -391,7 +392,7 @@ def summarise(raw: dict) -> list[dict]:
         for key, row in cfg["budgets"].items():
             plain_s, plain_b = row["seconds"]["plain"], cfg["plain_bytes"]
             r = {
-                "layers": cfg["layers"],
+                "layers": _layers_text(cfg, raw),
                 "seq": cfg["seq"],
                 "budget": row["budget"],
                 "n": row["every_n"],
@@ -448,7 +449,8 @@ def write(raw: dict, out: Path, quick: bool) -> None:
             f" --device {setup['device']} --hidden {setup['hidden']} --dtype {setup['dtype']} on "
             f"{raw['gpu']} (torch {raw['torch']}, transformers {raw['transformers']}, commit "
             f"{raw['commit']}; steps timed in wall seconds between CUDA synchronizations). Llama, "
-            f"hidden {setup['hidden']}, batch {BATCH}, vocab {VOCAB}, {setup['dtype']}, GPU. peak: "
+            f"hidden {setup['hidden']} (where a row names no other), batch {BATCH}, vocab {VOCAB}, "
+            f"{setup['dtype']}, GPU. peak: "
             "a step's peak CUDA memory over what was allocated before it, over no checkpointing's; "
             "torch.compile is not run on the GPU."
         )
@@ -470,8 +472,8 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         "",
         "- bytes: what one step's forward holds for its backward / the same without checkpointing;",
         "- FLOPs: matmul and attention FLOPs the backward recomputes / what full checkpointing "
-        "recomputes (torch.utils.flop_counter, CPU's fused attention kernel counted with its CUDA "
-        "formula);",
+        "recomputes (torch.utils.flop_counter; each fused attention kernel, CPU's too, counted with "
+        "torch's formula, key and value widened to the query's heads);",
         "- gcpatch's layers: `W` checkpointed whole, `K` checkpointed keeping their matmuls' and "
         "attention kernels' outputs, `A` checkpointed keeping their attention kernel's output alone, "
         "`P` plain; `K / A cost`: what each lever measured at the first step, over a whole layer's "
@@ -552,7 +554,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         if "context_fn_seconds" in cfg:
             sides = cfg["context_fn_seconds"]
             lines.append(
-                f"- {cfg['layers']} layers, seq {cfg['seq']}: a user's own context_fn (the selective "
+                f"- {_layers_text(cfg, raw)} layers, seq {cfg['seq']}: a user's own context_fn (the selective "
                 f"variant), median step {sides['plain'] * 1e3:.2f} ms with gcpatch off, "
                 f"{sides['gcpatch'] * 1e3:.2f} ms on ({sides['gcpatch'] / sides['plain']:.3f}x; "
                 f"{CONTEXT_FN_PAIRS} pairs, gcpatch switched step by step in one interpreter)"
@@ -569,6 +571,14 @@ def names(raw: dict) -> tuple[str, str, str]:
     return "MEMORY_BUDGET.md", "memory_budget.json", "memory_budget.png"
 
 
+def _layers_text(cfg: dict, raw: dict) -> str:
+    """A config's layer count, with its hidden size where it is not the run's."""
+    hidden = cfg.get("hidden")
+    if hidden is None or hidden == raw.get("setup", SETUP)["hidden"]:
+        return str(cfg["layers"])
+    return f"{cfg['layers']} (hidden {hidden})"
+
+
 def _fraction(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -582,7 +592,7 @@ def plot(raw: dict, path: Path) -> str:
     except ImportError:
         return "skipped: matplotlib is not installed"
     rows = summarise(raw)
-    configs = [(c["layers"], c["seq"]) for c in raw["configs"]]
+    configs = [(_layers_text(c, raw), c["seq"]) for c in raw["configs"]]
     fig, axes = plt.subplots(2, len(configs), figsize=(4 * len(configs), 7), squeeze=False)
     for col, (layers, seq) in enumerate(configs):
         mine = [r for r in rows if r["layers"] == layers and r["seq"] == seq]
@@ -644,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_json:
         raw = json.loads(args.from_json.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
         raw["plot"] = plot(raw, args.out / names(raw)[2])
         write(raw, args.out, quick=False)
         return 0
