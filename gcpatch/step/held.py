@@ -94,17 +94,21 @@ class Held:
 
     def checkpointed(self, index: int) -> int:
         """What the layer holds checkpointed whole, read from a plain forward: its outputs still
-        alive (the next layer holds them either way), and the inputs this forward made that died
-        in it (a checkpoint keeps them: the first op of a bf16 layer's RMSNorm saves an fp32 copy,
-        not the input itself)."""
+        alive (the next layer holds them either way), and the inputs this forward made, for this
+        layer alone, that died in it (a checkpoint keeps them: the first op of a bf16 layer's
+        RMSNorm saves an fp32 copy, not the input itself). An input several layers take (a
+        padding mask that eager attention adds and does not save) is held once whichever of them
+        is checkpointed, which no one layer's figure can say: it is left out, as before inputs
+        were counted at all."""
+        outputs = self.outputs.get(index, set())
         total = 0
-        for key in self.outputs.get(index, ()):
+        for key in outputs:
             entry = self.created.get(key)
             if entry is not None and entry[2] == index and not entry[0].expired():
                 total += entry[1]
-        outputs = self.outputs.get(index, set())
+        shared = {key for i, made in self.inputs.items() if i != index for key in made}
         for key, (ref, nbytes) in self.inputs.get(index, {}).items():
-            if key not in outputs and ref.expired():
+            if key not in outputs and key not in shared and ref.expired():
                 total += nbytes
         return total
 

@@ -123,6 +123,56 @@ def test_a_checkpointed_layer_holds_the_input_a_plain_forward_lets_die():
         del out
 
 
+class MaskedResidual(Residual):
+    """Residual plus a tensor every layer takes (a padding mask eager attention adds, which no op
+    saves)."""
+
+    def forward(self, x, mask):
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self._masked, x, mask, use_reentrant=False)
+        return self._masked(x, mask)
+
+    def _masked(self, x, mask):
+        return self._body(x) + mask
+
+
+class MaskedStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(MaskedResidual() for _ in range(3))
+
+    def forward(self, x):
+        mask = torch.ones_like(x) * 0.5  # made in the forward, taken by every layer
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+def test_an_input_several_layers_take_is_left_out_of_each_layers_figure():
+    """Held once whichever layer is checkpointed: counted in each it would be counted thrice
+    with all three checkpointed; left out, the plan is short by that one tensor exactly where a
+    layer is checkpointed (and the hidden states are still counted)."""
+    torch.manual_seed(0)
+    model = MaskedStack()
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    layers = list(model.layers)
+    measured = layer_costs.measure(
+        model, layers, lambda rows, tokens: lambda: model(x[:rows] * 1.0), (BATCH, 1), ["M"] * 3
+    )
+    assert [c.checkpointed for c in measured.layers] == [BATCH * WIDTH * F32] * 3
+    mask = BATCH * WIDTH * F32
+    for flags in itertools.product((False, True), repeat=3):
+        for layer, flag in zip(layers, flags):
+            layer.checkpointed = flag
+        with held_bytes() as held:
+            out = model(x * 1.0)
+        predicted = measured.outside + sum(
+            c.checkpointed if flag else c.plain for c, flag in zip(measured.layers, flags)
+        )
+        assert held.total(returned=out) - predicted == (mask if any(flags) else 0), flags
+        del out
+
+
 class Attention(Switchable):
     """Eager attention in miniature: softmax(x x^T) x over the tokens of each row. Plain it holds
     its scores' softmax (tokens x tokens a row) and its output; checkpointed, its output only."""
