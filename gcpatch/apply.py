@@ -297,7 +297,9 @@ class _ModeSync:
     def __init__(self, layers: list[Any] | None = None) -> None:
         self.layers = None if layers is None else [weakref.ref(layer) for layer in layers]
 
-    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any] | None = None) -> None:
+        if kwargs is None:
+            return  # taken out mid-call: no kwargs
         if _compiling():
             return  # the modes the last eager forward left stand: a traced flag write recompiles
         if self.layers is None:
@@ -449,7 +451,9 @@ class _FirstForward:
     def __init__(self, armed: _Armed) -> None:
         self.armed = armed
 
-    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any] | None = None) -> None:
+        if kwargs is None:
+            return  # taken out mid-call (the other runner's fired): no kwargs
         if _compiling():
             # Deciding is eager work (facts, votes, records): inside a traced region it would
             # break the graph. The decision waits for an eager forward; the layers checkpoint as
@@ -595,7 +599,11 @@ def _output_requires_grad(module: Any, args: Any, output: Any) -> None:
             output.requires_grad_(True)
 
 
-def _inputs_embeds_require_grad(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+def _inputs_embeds_require_grad(
+    module: Any, args: Any, kwargs: dict[str, Any] | None = None
+) -> Any:
+    if kwargs is None:
+        return None  # taken out mid-call: no kwargs
     embeds = kwargs.get("inputs_embeds")
     if (
         _is_tensor(embeds)

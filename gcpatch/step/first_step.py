@@ -172,14 +172,22 @@ def _compiled(step: FirstStep) -> bool:
 _compiled._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+# A hook registered with kwargs and taken out by an earlier hook of the same module call is still
+# called in that call, as torch calls a hook without them (module.py reads the with-kwargs flag as
+# it goes): our hooks take that call as the no-op it should be. `_TAKEN_OUT`: the output a forward
+# hook then misses.
+_TAKEN_OUT = object()
+
+
 class _Before:
     """The pre-hook of a FirstStep: module-level, so a model carrying it copies and pickles."""
 
     def __init__(self, step: FirstStep) -> None:
         self.step = step
 
-    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
-        self.step.started(module, args, kwargs)
+    def __call__(self, module: Any, args: tuple, kwargs: dict | None = None) -> None:
+        if kwargs is not None:  # None: taken out mid-call
+            self.step.started(module, args, kwargs)
 
     def __deepcopy__(self, memo: dict) -> _Before:
         return copy.deepcopy(self.step, memo).before
@@ -194,8 +202,10 @@ class _After:
     def __init__(self, step: FirstStep) -> None:
         self.step = step
 
-    def __call__(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        self.step.returned(module, output)
+    def __call__(self, module: Any, args: tuple, kwargs: Any, output: Any = _TAKEN_OUT) -> None:
+        # taken out mid-call, it gets the output in the kwargs' place and nothing after
+        if output is not _TAKEN_OUT:
+            self.step.returned(module, output)
 
     def __deepcopy__(self, memo: dict) -> _After:
         return copy.deepcopy(self.step, memo).after

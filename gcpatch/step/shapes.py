@@ -164,8 +164,10 @@ class ShapePlans:
                     ", ".join(layers),
                 )
 
-    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
+    def __call__(self, module: Any, args: tuple, kwargs: dict | None = None) -> None:
         """The pre-hook: this forward's plan, before it runs. Fails open (the flags as they are)."""
+        if kwargs is None:
+            return  # taken out mid-call: no kwargs
         try:
             self._before(args, kwargs)
         except Exception as exc:  # noqa: BLE001 (fail open: this step runs with the flags it has)
