@@ -10,7 +10,8 @@ measures by itself what the forward holds, the FLOPs recomputed (torch.utils.flo
 matmuls and attention, CPU's fused attention kernel counted with torch's own formula) and every
 gradient against the run without checkpointing, in a training loop without dropout and with
 attention dropout 0.1, and under transformers' Trainer on PEFT LoRA with attention and LoRA
-dropout 0.1, at budget 0.5; without dropout at 0.3, and under a 100 MiB size over batches whose
+dropout 0.1, at budget 0.5; without dropout at 0.3, in bf16 at 0.15 (a plain forward lets each
+layer's input die there, a checkpoint keeps it), and under a 100 MiB size over batches whose
 length changes (each shape planned for itself, levers included). Which layers get which lever
 depends on the timings measured on this machine; what every plan must hold does not: the budget,
 exact gradients, a layer keeping its matmuls recomputing none of them, and a layer keeping its
