@@ -12,7 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gcpatch import apply  # noqa: E402
-from gcpatch.step import first_step  # noqa: E402
+from gcpatch.budget import parse  # noqa: E402
+from gcpatch.step import first_step, shapes  # noqa: E402
 
 
 def _call_after_taken_out(hook, forward_hook: bool = False):
@@ -41,8 +42,12 @@ def test_r5s_one_shot_hook_taken_out_mid_call_does_nothing():
 
 @pytest.mark.parametrize(
     "hook",
-    [apply._ModeSync([]), apply._inputs_embeds_require_grad],
-    ids=["mode-sync", "inputs-embeds"],
+    [
+        apply._ModeSync([]),
+        apply._inputs_embeds_require_grad,
+        shapes.ShapePlans(torch.nn.Linear(1, 1), [], None, parse("0.5"), "model"),
+    ],
+    ids=["mode-sync", "inputs-embeds", "budget-shapes"],
 )
 def test_the_other_pre_hooks_taken_out_mid_call_do_nothing(hook):
     out = _call_after_taken_out(hook)
