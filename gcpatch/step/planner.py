@@ -33,7 +33,7 @@ from gcpatch import budget as budget_mod
 from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.facts import checkpoint_layers, checkpoint_site
 from gcpatch.ranks import default_store, rank
-from gcpatch.step import invisible, layer_costs, selective, shapes
+from gcpatch.step import invisible, layer_costs, selective, shapes, solver
 from gcpatch.step.batch import first_rows, first_tokens
 from gcpatch.step.batch import shape as batch_shape
 from gcpatch.step.cost_model import CostModel
@@ -270,6 +270,7 @@ def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
     )
     full = plan["full_recompute_s"] or 1.0
     every += selective.kept_text(plan.get("modes") or [])
+    every += solver.search_text(plan.get("exact", True))
     return (
         f"memory budget {chosen.text} ({size(plan['limit_bytes'])}): {plan['checkpointed']} of"
         f" {plan['layers']} layers checkpointed{every}{source}; activations"

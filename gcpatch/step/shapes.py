@@ -198,7 +198,7 @@ class ShapePlans:
 
     def _said(self, rows: int, tokens: int, plan: solver.Plan) -> None:
         size = budget_mod.size
-        kept = selective.kept_text(plan.modes)
+        kept = selective.kept_text(plan.modes) + solver.search_text(plan.exact)
         what = (
             f"{rows} x {tokens} tokens: {plan.count} of {len(plan.checkpoint)} layers"
             f" checkpointed{kept};"

@@ -34,6 +34,17 @@ MAX_FRONT = 2000
 SLACK = 0.05
 
 
+def search_text(exact: bool) -> str:
+    """What a plan's line adds where the exact search was cut short (`MAX_FRONT`): the user reads
+    that the plan is not the proven cheapest, and by how much it may miss."""
+    if exact:
+        return ""
+    return (
+        " (too many layers of distinct sizes for the exact search: a greedy plan, within one"
+        " layer's recompute of the cheapest)"
+    )
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """One checkpointable layer, measured: bytes it holds after the forward plain and checkpointed,

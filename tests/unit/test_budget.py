@@ -334,3 +334,21 @@ def test_past_the_front_limit_layers_still_take_the_levers():
     assert greedy.modes.count("full") == 0 and greedy.kept_attention and greedy.kept_matmuls
     assert greedy.recompute_s <= exact.recompute_s + max(l.seconds for l in layers)
     assert greedy.recompute_s < whole.recompute_s - 2.0
+
+
+def test_the_line_says_where_the_plan_is_greedy_and_not_where_it_is_exact():
+    """Past the exact search's front the plan is within one layer's recompute of the cheapest,
+    not proven cheapest: the plan's line says so, and says nothing of it for an exact plan."""
+    from gcpatch.step import planner
+    from gcpatch.step.shapes import plan_dict
+
+    layers = [LayerCost(f"{i}", 10.0 + i, 1.0, 1.0 + i / 10) for i in range(6)]
+    limit = 0.5 * sum(layer.plain for layer in layers)
+    chosen = parse("0.5")
+    lines = {}
+    for front in (0, 10**6):
+        with mock.patch.object(solver, "MAX_FRONT", front):
+            plan = solve(layers, 0.0, limit)
+        lines[plan.exact] = planner._line(chosen, {"plan": plan_dict(plan)})
+    assert "a greedy plan, within one layer's recompute of the cheapest" in lines[False]
+    assert "greedy" not in lines[True]
