@@ -4,6 +4,7 @@ a whole job)."""
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -15,7 +16,7 @@ MIB = 2**20
 
 
 def _resident() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
