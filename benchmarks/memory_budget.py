@@ -98,7 +98,7 @@ def synchronize() -> None:
 def held(m, ids) -> int:
     from gcpatch.step.held import held_bytes
 
-    with held_bytes() as h:
+    with held_bytes(device_only=on_gpu()) as h:
         loss = m(input_ids=ids, labels=ids).loss
         n = h.total()
     loss.backward()
@@ -430,10 +430,13 @@ LETTERS = {"full": "W", "keep-matmuls": "K", "keep-attention": "A", "plain": "P"
 
 
 def _modes(modes: list[str] | None) -> str:
-    """Each mode's layers, counted: `2W 6K 0A 0P`."""
+    """Each mode's layers, counted: `2W 6K 0A 0P`, and `2O` where layers are offloaded (on an
+    accelerator, where whole layers cannot meet the budget for less)."""
     if modes is None:
         return "-"
-    return " ".join(f"{modes.count(mode)}{letter}" for mode, letter in LETTERS.items())
+    counted = " ".join(f"{modes.count(mode)}{letter}" for mode, letter in LETTERS.items())
+    offloaded = modes.count("offload")
+    return f"{counted} {offloaded}O" if offloaded else counted
 
 
 def _shares(shares: dict) -> str:
@@ -476,7 +479,13 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         "torch's formula, key and value widened to the query's heads);",
         "- gcpatch's layers: `W` checkpointed whole, `K` checkpointed keeping their matmuls' and "
         "attention kernels' outputs, `A` checkpointed keeping their attention kernel's output alone, "
-        "`P` plain; `K / A cost`: what each lever measured at the first step, over a whole layer's "
+        "`P` plain"
+        + (
+            ", `O` checkpointed whole with their inputs offloaded to host memory"
+            if any("O" in str(r.get("modes")) for r in rows)
+            else ""
+        )
+        + "; `K / A cost`: what each lever measured at the first step, over a whole layer's "
         "recompute (the solver's input);",
         "- selective: torch's selective checkpointing by hand on every layer (a `context_fn` saving "
         "matmuls and attention kernels);",

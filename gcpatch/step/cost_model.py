@@ -15,7 +15,9 @@ A layer's recompute seconds, timed once at the measured shape, scale with its pl
 its forward does, attention's quadratic part included), and so do the seconds of checkpointing it
 under a selective lever (gcpatch/step/selective.py): keeping its matmuls' outputs, whose bytes held
 are its outputs plus what its matmuls produce, or its attention kernel's output alone, plus what
-that kernel produces, each fitted like the rest. Pure arithmetic, no torch.
+that kernel produces, each fitted like the rest; and, on an accelerator, of checkpointing it whole
+with its inputs offloaded (gcpatch/step/offload.py), which holds what whole holds less those
+inputs. Pure arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, LayerCost
+from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD, LayerCost
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,10 @@ class CostModel:
     kept_seconds: list[float | None] | None = None
     attention: list[Curve] | None = None
     attention_seconds: list[float | None] | None = None
+    # checkpointed whole with its inputs offloaded (gcpatch/step/offload.py): bytes held (what
+    # whole holds less those inputs) and seconds at `timed_at` (None: not offered on that layer)
+    offloaded: list[Curve] | None = None
+    offloaded_seconds: list[float | None] | None = None
 
     def layers(self, rows: int, tokens: int) -> tuple[list[LayerCost], float]:
         """Every layer's cost and what runs outside the layers, at this shape."""
@@ -110,15 +116,33 @@ class CostModel:
             kind = self.kinds[i] if i < len(self.kinds) else ""
             kept, kept_s = _lever(*self.lever(KEEP_MATMULS), i, rows, tokens, p, c, scale)
             att, att_s = _lever(*self.lever(KEEP_ATTENTION), i, rows, tokens, p, c, scale)
+            off, off_s = None, 0.0
+            measured = self.offloaded_seconds[i] if self.offloaded_seconds else None
+            if self.offloaded is not None and measured is not None:
+                off, off_s = min(self.offloaded[i](rows, tokens), c), measured * scale
             out.append(
-                LayerCost(f"{i}", p, c, self.seconds[i] * scale, kind, kept, kept_s, att, att_s)
+                LayerCost(
+                    f"{i}",
+                    p,
+                    c,
+                    self.seconds[i] * scale,
+                    kind,
+                    kept,
+                    kept_s,
+                    att,
+                    att_s,
+                    off,
+                    off_s,
+                )
             )
         return out, self.outside(rows, tokens)
 
     def lever(self, lever: str) -> tuple[list[Curve] | None, list[float | None] | None]:
-        """A selective lever's fitted bytes kept and measured seconds, per layer."""
+        """A lever's fitted bytes (kept, or held offloaded) and measured seconds, per layer."""
         if lever == KEEP_MATMULS:
             return self.matmul, self.kept_seconds
+        if lever == OFFLOAD:
+            return self.offloaded, self.offloaded_seconds
         return self.attention, self.attention_seconds
 
     def plain_total(self, rows: int, tokens: int) -> float:
@@ -139,6 +163,8 @@ class CostModel:
             "kept_seconds": self.kept_seconds,
             "attention": _curves(self.attention),
             "attention_seconds": self.attention_seconds,
+            "offloaded": _curves(self.offloaded),
+            "offloaded_seconds": self.offloaded_seconds,
         }
 
     @classmethod
@@ -156,6 +182,8 @@ class CostModel:
             kept_seconds=data.get("kept_seconds"),
             attention=_read_curves(data.get("attention")),
             attention_seconds=data.get("attention_seconds"),
+            offloaded=_read_curves(data.get("offloaded")),
+            offloaded_seconds=data.get("offloaded_seconds"),
         )
 
 

@@ -21,10 +21,12 @@ OUTSIDE = -1  # bytes allocated outside every layer (embeddings, head, loss, mas
 
 class Held:
     """Counts the bytes a forward leaves alive, by the layer that allocated them (see the module
-    docstring). Use as a context manager around the forward; read `alive()` while its output is
-    still referenced."""
+    docstring); with `device_only`, on the accelerator alone. Use as a context manager around the
+    forward; read `alive()` while its output is still referenced."""
 
-    def __init__(self, layers: list[Any] | None = None) -> None:
+    def __init__(
+        self, layers: list[Any] | None = None, device_only: bool = False, savers: bool = False
+    ) -> None:
         import torch
         from torch.multiprocessing.reductions import StorageWeakRef
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -47,6 +49,15 @@ class Held:
         self._matmuls = matmul_ops(torch)
         self._attention = attention_ops(torch)
         self._stack = [OUTSIDE]
+        # on an accelerator, its memory alone: host copies (offloaded inputs) are not the budget's
+        self._device_only = device_only
+        # storage key -> the layers (OUTSIDE for none) whose operators saved it for the backward:
+        # read through saved-tensor hooks that change nothing, only with `savers` (a measuring
+        # forward of gcpatch's own, whose graph is thrown away: a user's hooks are not displaced)
+        self.saved_by: dict[int, set[int]] = {}
+        self._savers = (
+            torch.autograd.graph.saved_tensors_hooks(self._saved, _unpacked) if savers else None
+        )
         self._handles: list[Any] = []
         held = self
 
@@ -69,10 +80,14 @@ class Held:
                 layer.register_forward_hook(self._leave_layer(index), always_call=True)
             )
         self._mode.__enter__()
+        if self._savers is not None:
+            self._savers.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            if self._savers is not None:
+                self._savers.__exit__(*exc)
             self._mode.__exit__(*exc)
         finally:
             for handle in self._handles:
@@ -106,11 +121,45 @@ class Held:
             entry = self.created.get(key)
             if entry is not None and entry[2] == index and not entry[0].expired():
                 total += entry[1]
+        died = (nbytes for ref, nbytes in self._own_inputs(index).values() if ref.expired())
+        return total + sum(died)
+
+    def offloaded(self, index: int) -> int:
+        """What the layer holds checkpointed whole with its inputs offloaded
+        (gcpatch/step/offload.py), from a forward counted with `savers`: `checkpointed` less the
+        inputs made for this layer alone that no operator outside it saved, which then wait in
+        host memory. Where such an input was alive after the plain forward it is in the figure of
+        the layer (or the outside) that made it, so the figures of a stack sum to what it holds
+        (every layer's output less its input: the last output less the first input) and one
+        figure may be below its outputs. An input the layer before saves itself (a ReLU saves its
+        output) stays on the device while that layer runs plain, and so does an input several
+        layers take: neither is taken off."""
+        moved = sum(
+            nbytes
+            for key, (_, nbytes) in self._own_inputs(index).items()
+            if self.saved_by.get(key, set()) <= {index}
+        )
+        return self.checkpointed(index) - moved
+
+    def _own_inputs(self, index: int) -> dict[int, tuple[Any, int]]:
+        """Storage key -> (weak ref, bytes) of the inputs this forward made for this layer alone
+        (not also one of its outputs, nor another layer's input)."""
+        outputs = self.outputs.get(index, set())
         shared = {key for i, made in self.inputs.items() if i != index for key in made}
-        for key, (ref, nbytes) in self.inputs.get(index, {}).items():
-            if key not in outputs and key not in shared and ref.expired():
-                total += nbytes
-        return total
+        return {
+            key: entry
+            for key, entry in self.inputs.get(index, {}).items()
+            if key not in outputs and key not in shared
+        }
+
+    def _saved(self, tensor: Any) -> Any:
+        key = self._key(tensor)
+        if key is not None:
+            self.saved_by.setdefault(key, set()).add(self._stack[-1])
+        # detached: the same storage, held as long as autograd would, without the reference to
+        # its grad_fn a saved output would then make from its own node (a cycle that outlives the
+        # measuring forward until the garbage collector runs, counted by the step around it)
+        return tensor.detach()
 
     def _enter_layer(self, index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
@@ -145,7 +194,7 @@ class Held:
         inputs = {self._key(t) for t in tensors(torch, (args, kwargs))}
         for tensor in tensors(torch, out):
             key = self._key(tensor)
-            if key is None or key in inputs:
+            if key is None or key in inputs or (self._device_only and tensor.device.type == "cpu"):
                 continue
             entry = self.created.get(key)
             if entry is not None and not entry[0].expired():
@@ -162,11 +211,16 @@ class Held:
                 self.attention[owner] = self.attention.get(owner, 0) + nbytes
 
 
+def _unpacked(tensor: Any) -> Any:
+    return tensor
+
+
 @contextlib.contextmanager
-def held_bytes() -> Iterator[Held]:
+def held_bytes(device_only: bool = False) -> Iterator[Held]:
     """`with held_bytes() as held: out = model(...)`, then `held.total()`: the activation bytes
-    that forward holds for its backward (benchmarks and tests measure plans with it)."""
-    held = Held()
+    that forward holds for its backward (benchmarks and tests measure plans with it); with
+    `device_only`, on an accelerator alone (offloaded inputs wait in host memory)."""
+    held = Held(device_only=device_only)
     with held:
         yield held
 

@@ -4,7 +4,8 @@ plain and checkpointed, and the seconds its recompute takes.
 A plain layer holds what it allocated and is still alive; a checkpointed one holds only its inputs
 and outputs: its outputs where the next layer holds them plain too, its inputs where nothing else
 does (in bf16, a Llama layer's first op saves an fp32 copy of its input, so the plain run lets the
-input die and a checkpoint keeps it), so both are read from one plain forward counted by the
+input die and a checkpoint keeps it); offloaded (on an accelerator, gcpatch/step/offload.py),
+what checkpointed holds less its inputs; all read from one plain forward counted by the
 instrument (gcpatch/step/held.py). Bytes are measured on one and two rows of the
 batch, at its token count and a truncated one, and fitted as a cost model of the shape
 (gcpatch/step/cost_model.py), so the measuring forwards hold at most two rows' plain activations
@@ -21,11 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gcpatch.step import heap, selective
+from gcpatch.step import heap, offload, selective
 from gcpatch.step.batch import tensors
 from gcpatch.step.cost_model import CostModel, Curve
 from gcpatch.step.held import OUTSIDE, Held
-from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, LayerCost
+from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD, LayerCost
 
 
 @dataclass
@@ -72,11 +73,12 @@ def measure(
     ckpt: list[dict] = [{} for _ in range(n)]
     matmul: list[dict] = [{} for _ in range(n)]
     attention: list[dict] = [{} for _ in range(n)]
+    offloaded: list[dict] = [{} for _ in range(n)]
     outside: dict = {}
     for tokens in lengths:
         for rows in sizes:
             forward = run(rows, tokens)
-            held = Held(layers)
+            held = Held(layers, device_only=offload.accelerator(model) is not None, savers=True)
             with held:
                 output = forward()
             # The graph stays, what the forward returned goes: the caller decides whether to keep
@@ -91,6 +93,7 @@ def measure(
                 ckpt[i][(rows, tokens)] = float(held.checkpointed(i))
                 matmul[i][(rows, tokens)] = float(held.matmul.get(i, 0))
                 attention[i][(rows, tokens)] = float(held.attention.get(i, 0))
+                offloaded[i][(rows, tokens)] = float(held.offloaded(i))
             outside[(rows, tokens)] = float(alive.get(OUTSIDE, 0))
             del graph, held, forward
             heap.release()
@@ -102,8 +105,9 @@ def measure(
     # attention kernel a shape gets, and its share of a layer, change with rows and tokens)
     shares = selective.shares(layers, run(*timed_at))
     offered = [selective.available(m) for m in layers]
+    offloads = [selective.offloadable(m) for m in layers]
 
-    def lever_seconds(share: float | None) -> list[float | None]:
+    def lever_seconds(share: float | None, offered: list[bool] = offered) -> list[float | None]:
         return [s * share if share is not None and ok else None for s, ok in zip(seconds, offered)]
 
     costs = CostModel(
@@ -113,6 +117,8 @@ def measure(
         kept_seconds=lever_seconds(shares[KEEP_MATMULS]),
         attention=[Curve.fit(a) for a in attention],
         attention_seconds=lever_seconds(shares[KEEP_ATTENTION]),
+        offloaded=[Curve.fit(o) for o in offloaded],
+        offloaded_seconds=lever_seconds(shares.get(OFFLOAD), offloads),
         outside=Curve.fit(outside),
         seconds=seconds,
         timed_at=timed_at,

@@ -33,7 +33,7 @@ from gcpatch import budget as budget_mod
 from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.facts import checkpoint_layers, checkpoint_site
 from gcpatch.ranks import default_store, rank
-from gcpatch.step import invisible, layer_costs, selective, shapes, solver
+from gcpatch.step import invisible, layer_costs, offload, selective, shapes, solver
 from gcpatch.step.batch import first_rows, first_tokens
 from gcpatch.step.batch import shape as batch_shape
 from gcpatch.step.cost_model import CostModel
@@ -184,6 +184,7 @@ def _measure(
                     "plain_bytes": c.plain,
                     "checkpointed_bytes": c.checkpointed,
                     "recompute_s": c.seconds,
+                    "offloaded_bytes": c.offloaded,
                 }
                 for c in measured.layers
             ],
@@ -261,7 +262,7 @@ def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
             f"memory budget {chosen.text} ({size(plan['limit_bytes'])}) is below the floor of full"
             f" checkpointing, {size(plan['floor_bytes'])} ({plan['floor_bytes'] / plain:.0%} of"
             f" {size(plan['plain_bytes'])} without checkpointing): all {plan['layers']} layers"
-            f" checkpointed{source}"
+            f" checkpointed{selective.kept_text(plan.get('modes') or [])}{source}"
         )
     every = (
         f", every_n_layers={plan['every_n_layers']}"
@@ -300,10 +301,13 @@ def _details(outcome: dict) -> list[str]:
     if levers:
         out += _levers(levers)
     for i, layer in enumerate(measured["layers"]):
+        offloaded = layer.get("offloaded_bytes")
         out.append(
             f"layer {i}: {'checkpointed' if i < len(flags) and flags[i] else 'plain'}; holds "
             f"{size(layer['plain_bytes'])} plain, {size(layer['checkpointed_bytes'])} "
-            f"checkpointed; recompute {layer['recompute_s'] * 1e3:.3g} ms"
+            "checkpointed"
+            + (f", {size(offloaded)} offloaded" if offloaded is not None else "")
+            + f"; recompute {layer['recompute_s'] * 1e3:.3g} ms"
         )
     return out
 
@@ -312,8 +316,8 @@ def _levers(levers: dict) -> list[str]:
     """What each lever between plain and whole measured, or why it was not there to choose."""
     out = []
     for lever, share in levers["shares"].items():
-        name = selective.LEVERS[lever].name
-        if levers["not_offered"]:
+        name = selective.NAMED[lever].name
+        if levers["not_offered"] and lever in selective.LEVERS:
             out.append(f"{name}: not offered, {levers['not_offered']}")
         elif share is None:
             out.append(
@@ -334,7 +338,8 @@ class Confirmation:
     def __init__(self, name: str, outcome: dict, model: Any = None) -> None:
         self.name, self.outcome = name, outcome
         self.plans = shapes.of(model) if model is not None else None
-        self.held = Held()
+        # on an accelerator its memory alone: offloaded inputs wait in host memory
+        self.held = Held(device_only=model is not None and offload.accelerator(model) is not None)
 
     def __enter__(self) -> Confirmation:
         self.held.__enter__()

@@ -28,13 +28,13 @@ import contextlib
 import functools
 import sys
 import time
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
-from gcpatch.step import heap
+from gcpatch.step import heap, offload, swap
 from gcpatch.step.held import attention_ops, matmul_ops
-from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS
+from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD
+from gcpatch.step.swap import CONTEXT_FN
 
-CONTEXT_FN = "context_fn"
 # the keyword names a decoder layer's key/value cache goes by across transformers' generations
 CACHES = ("past_key_values", "past_key_value", "layer_past", "cache")
 # measured rounds of plain, whole and keep on one layer, interleaved, after one warm-up round; on a
@@ -84,15 +84,28 @@ class Keep:
         return create_selective_checkpoint_contexts(self)
 
 
+# what the plan's line and `gcpatch explain` call offloading
+OFFLOADING = Lever(lambda torch: frozenset(), "offloading the inputs", "offloading their inputs")
+NAMED = {**LEVERS, OFFLOAD: OFFLOADING}
+
+
 def kept_text(modes: list[str]) -> str:
-    """How a plan's line names its selective layers: " (2 keeping their matmuls)", or ""."""
-    parts = [f"{modes.count(lever)} {LEVERS[lever].says}" for lever in LEVERS if lever in modes]
+    """How a plan's line names its selective and offloaded layers: " (2 keeping their matmuls)",
+    or ""."""
+    parts = [f"{modes.count(lever)} {NAMED[lever].says}" for lever in NAMED if lever in modes]
     return f" ({', '.join(parts)})" if parts else ""
 
 
 def available(layer: Any) -> bool:
     """Whether the layer's checkpoint function can take the policy."""
     return offered(own(getattr(layer, "_gradient_checkpointing_func", None)))
+
+
+def offloadable(layer: Any) -> bool:
+    """Whether the layer can be offloaded (gcpatch/step/offload.py): on an accelerator, its own
+    checkpoint function without a context_fn of the user's."""
+    func = own(getattr(layer, "_gradient_checkpointing_func", None))
+    return offload.accelerator(layer) is not None and offload.offered(func)
 
 
 def offered(func: Any) -> bool:
@@ -121,8 +134,9 @@ def not_offered(layers: list[Any]) -> str | None:
 
 
 def own(func: Any) -> Any:
-    """The layer's own function where `func` is it under a lever (a copy of a planned model
-    carries that one)."""
+    """The layer's own function where `func` is it under a lever or offloaded (a copy of a
+    planned model carries that one)."""
+    func = offload.own(func)
     if isinstance(func, functools.partial):
         context = func.keywords.get(CONTEXT_FN)
         if isinstance(getattr(context, "__self__", None), Keep):
@@ -137,30 +151,12 @@ def keeping(func: functools.partial, policy: Keep) -> functools.partial:
     return functools.partial(func.func, *func.args, **{**func.keywords, CONTEXT_FN: policy.context})
 
 
-@contextlib.contextmanager
-def switched(layers: list[Any], policies: list[Keep | None]) -> Iterator[None]:
+def switched(layers: list[Any], policies: list[Keep | None]) -> Any:
     """The layers with a policy checkpointed under it (for a measuring pass); their own flags and
     functions back afterwards."""
-    saved = [
-        (m, vars(m).get("gradient_checkpointing"), vars(m).get("_gradient_checkpointing_func"))
-        for m in layers
-    ]
-    try:
-        for m, policy in zip(layers, policies):
-            if policy is not None:
-                m._gradient_checkpointing_func = keeping(m._gradient_checkpointing_func, policy)
-                m.gradient_checkpointing = True
-        yield
-    finally:
-        for m, flag, func in saved:
-            for name, value in (
-                ("gradient_checkpointing", flag),
-                ("_gradient_checkpointing_func", func),
-            ):
-                if value is None:
-                    vars(m).pop(name, None)
-                else:
-                    setattr(m, name, value)
+    return swap.switched(
+        layers, [None if p is None else functools.partial(keeping, policy=p) for p in policies]
+    )
 
 
 def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | None]:
@@ -177,24 +173,30 @@ def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | N
     that outweighs the recompute saved gets a share that makes the solver pass the option over.
     None for a lever where no layer offers it, where its policy kept nothing in the warm-up round
     (it would not fire; it is not timed further), or where the clock could not tell whole
-    checkpointing from plain."""
+    checkpointing from plain. On an accelerator, offloading (gcpatch/step/offload.py) is timed the
+    same way, its copies in it (a share above 1)."""
     torch = sys.modules["torch"]
     out: dict[str, float | None] = dict.fromkeys(LEVERS)
-    layer = next((m for m in layers if available(m)), None)
+    layer = next((m for m in layers if available(m) or offloadable(m)), None)
     call = _first_call(torch, layer, forward) if layer is not None else None
     if call is None:
         return out
     args, kwargs, at = call
     params = [p for p in layer.parameters() if p.requires_grad]
-    policies = {lever: Keep(lever) for lever in LEVERS}
+    policies = {lever: Keep(lever) for lever in LEVERS} if available(layer) else {}
     cuda = any(p.is_cuda for p in layer.parameters())
     clock = time.perf_counter if cuda else time.process_time
     modes: dict[str, Callable[[], Any]] = {
         "plain": contextlib.nullcontext,
-        "whole": lambda: _whole([layer], [True]),
+        "whole": lambda: swap.switched([layer], [_same]),
     }
     for lever, policy in policies.items():
         modes[lever] = functools.partial(switched, [layer], [policy])
+    mover = None
+    if offloadable(layer):
+        out[OFFLOAD] = None
+        mover = offload.Offload(own(layer._gradient_checkpointing_func))
+        modes[OFFLOAD] = lambda: swap.switched([layer], [lambda _: mover])
 
     def step(mode: str) -> float:
         # a view, not a leaf: a host's module tracker (a FLOP counter around the step) hooks the
@@ -218,6 +220,8 @@ def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | N
     for lever, policy in policies.items():
         if not policy.kept:
             del modes[lever]  # it would not fire: not timed
+    if mover is not None and not mover.moved:
+        del modes[OFFLOAD]
     if len(modes) == 2:
         return out
     samples: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -225,7 +229,7 @@ def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | N
         for mode in modes:
             samples[mode].append(step(mode))
         if round_ >= ROUNDS:
-            found = {lever: _share(samples, lever) for lever in modes if lever in LEVERS}
+            found = {lever: _share(samples, lever) for lever in modes if lever in out}
             if all(share is not None for share in found.values()):
                 break
     out.update(found)
@@ -281,20 +285,8 @@ def _share(samples: dict[str, list[float]], lever: str) -> float | None:
     return max(0.0, fastest[lever][0] - fastest["plain"][0]) / recompute
 
 
-@contextlib.contextmanager
-def _whole(layers: list[Any], offered: list[bool]) -> Iterator[None]:
-    saved = [vars(m).get("gradient_checkpointing") for m in layers]
-    try:
-        for m, ok in zip(layers, offered):
-            if ok:
-                m.gradient_checkpointing = True
-        yield
-    finally:
-        for m, flag in zip(layers, saved):
-            if flag is None:
-                vars(m).pop("gradient_checkpointing", None)
-            else:
-                m.gradient_checkpointing = flag
+def _same(func: Any) -> Any:
+    return func
 
 
 def _scalar(torch: Any, output: Any) -> Any:

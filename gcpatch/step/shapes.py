@@ -27,7 +27,7 @@ from typing import Any
 from gcpatch import budget as budget_mod
 from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.ranks import rank
-from gcpatch.step import selective, solver
+from gcpatch.step import offload, selective, solver
 from gcpatch.step.batch import shape
 from gcpatch.step.cost_model import CostModel
 from gcpatch.step.training import training_forward
@@ -94,11 +94,15 @@ class ShapePlans:
             else {}
             for f in self.funcs
         ]
-        self.kept_funcs = [
+        self.lever_funcs: list[dict[str, Any]] = [
             {lever: selective.keeping(f, p) for lever, p in policies.items()}
             for f, policies in zip(self.funcs, self.policies)
         ]
-        self.misfired: set[tuple[int, str]] = set()  # (layer, lever) that kept nothing
+        # and offloaded, where the layer offers it (gcpatch/step/offload.py)
+        for m, f, funcs in zip(layers, self.funcs, self.lever_funcs):
+            if selective.offloadable(m):
+                funcs[solver.OFFLOAD] = offload.Offload(f)
+        self.misfired: set[tuple[int, str]] = set()  # (layer, lever) that did nothing
         self.checked: set[str] = set()  # the levers whose firing was checked
         self.ran = False  # a training forward ran with a plan this hook applied
 
@@ -124,45 +128,60 @@ class ShapePlans:
             if layer.gradient_checkpointing is not flag:
                 layer.gradient_checkpointing = flag
             func = self.funcs[i]
-            if mode in self.kept_funcs[i] and (i, mode) not in self.misfired:
-                func = self.kept_funcs[i][mode]
+            if mode in self.lever_funcs[i] and (i, mode) not in self.misfired:
+                func = self.lever_funcs[i][mode]
             if func is not None and vars(layer).get("_gradient_checkpointing_func") is not func:
                 layer._gradient_checkpointing_func = func
         self.last = plan
 
     def fired(self) -> None:
-        """After the first forward that ran a plan with a selective lever: a layer planned that
-        way whose policy kept nothing did not do what the plan assumed; it checkpoints whole from
-        now on, said once per lever (every lever checked: nothing to do, on every later step)."""
-        if not self.ran or self.last is None or len(self.checked) == len(solver.SELECTIVE):
+        """After the first forward that ran a plan with a selective lever (or offloading): a layer
+        planned that way whose policy kept nothing (or that moved nothing) did not do what the plan
+        assumed; it checkpoints whole from now on, said once per lever (every lever checked:
+        nothing to do, on every later step)."""
+        if not self.ran or self.last is None or len(self.checked) == len(solver.FILLED):
             return
         modes = self.last.modes
-        levers = {mode for mode in modes if mode in solver.SELECTIVE} - self.checked
+        levers = {mode for mode in modes if mode in solver.FILLED} - self.checked
         if not levers:
             return
         self.checked |= levers
-        idle = [
-            (i, mode)
-            for i, mode in enumerate(modes)
-            if mode in levers and mode in self.policies[i] and self.policies[i][mode].kept == 0
-        ]
+        idle = [(i, mode) for i, mode in enumerate(modes) if mode in levers and self._idle(i, mode)]
         if not idle:
             return
         self.misfired.update(idle)
         self.plans.clear()  # solved again without the lever where it misfired
         for i, mode in idle:
             self.costs.lever(mode)[1][i] = None  # type: ignore[index]
-        for lever in solver.SELECTIVE:
-            layers = [str(i) for i, mode in idle if mode == lever]
+        for lever in solver.FILLED:
+            layers = [i for i, mode in idle if mode == lever]
             if layers:
                 log.warning(
-                    "gcpatch: rank %d budget %s: %s saved nothing in layer(s) %s; they checkpoint"
+                    "gcpatch: rank %d budget %s: %s %s nothing in layer(s) %s%s; they checkpoint"
                     " whole from the next step",
                     rank(),
                     self.name,
-                    selective.LEVERS[lever].name,
-                    ", ".join(layers),
+                    selective.NAMED[lever].name,
+                    "moved" if lever == solver.OFFLOAD else "saved",
+                    ", ".join(map(str, layers)),
+                    self._why(layers, lever),
                 )
+
+    def _why(self, layers: list[int], lever: str) -> str:
+        """Why offloading moved nothing, where a copy to the host failed (the first reason)."""
+        if lever != solver.OFFLOAD:
+            return ""
+        failed = [getattr(self.lever_funcs[i].get(lever), "failed", None) for i in layers]
+        reason = next((why for why in failed if why), None)
+        return f" (the copy to the host failed: {reason})" if reason else ""
+
+    def _idle(self, i: int, mode: str) -> bool:
+        """Whether layer i's lever did nothing in the forwards it ran."""
+        if mode == solver.OFFLOAD:
+            wrapper = self.lever_funcs[i].get(mode)
+            return wrapper is not None and wrapper.moved == 0
+        policy = self.policies[i].get(mode)
+        return policy is not None and policy.kept == 0
 
     def __call__(self, module: Any, args: tuple, kwargs: dict | None = None) -> None:
         """The pre-hook: this forward's plan, before it runs. Fails open (the flags as they are)."""

@@ -14,12 +14,16 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 PLAIN, KEEP_MATMULS, KEEP_ATTENTION, FULL = "plain", "keep-matmuls", "keep-attention", "full"
-# the selective levers between plain and whole (gcpatch/step/selective.py), in the order a group of
-# like layers is filled after its whole ones
+# checkpointed whole with its inputs in host memory (gcpatch/step/offload.py): below whole's bytes,
+# for the copies' time besides the recompute; only where the layers run on an accelerator
+OFFLOAD = "offload"
+# the selective levers between plain and whole (gcpatch/step/selective.py)
 SELECTIVE = (KEEP_ATTENTION, KEEP_MATMULS)
-# the modes that recompute a layer's matrix multiplies: whole, and keeping only the attention
-# kernel's output (its projections and MLP run again)
-RECOMPUTES_MATMULS = (FULL, KEEP_ATTENTION)
+# the modes a group of like layers is filled with after its whole ones, in this order
+FILLED = (*SELECTIVE, OFFLOAD)
+# the modes that recompute a layer's matrix multiplies: whole (offloaded or not), and keeping only
+# the attention kernel's output (its projections and MLP run again)
+RECOMPUTES_MATMULS = (FULL, KEEP_ATTENTION, OFFLOAD)
 # Beyond this many Pareto points (distinct sums of bytes shed) the exact search is cut short, and
 # the greedy over each layer's convex hull of options is taken instead (`_greedy_cover`: within one
 # layer's recompute of the cheapest; the plan records it is not exact). Like layers give few points;
@@ -61,10 +65,22 @@ class LayerCost:
     kept_seconds: float = 0.0
     attention: float | None = None
     attention_seconds: float = 0.0
+    # checkpointed whole with its inputs offloaded to host memory (gcpatch/step/offload.py)
+    offloaded: float | None = None
+    offloaded_seconds: float = 0.0
 
     @property
     def shed(self) -> float:
         return self.plain - self.checkpointed
+
+    @property
+    def least(self) -> float:
+        """The fewest bytes the layer can hold, in any of its options."""
+        return self.plain - max(shed for _, shed, _ in self.options())
+
+    def fewest_mode(self) -> str:
+        """The option holding the fewest bytes (a budget below the floor takes it)."""
+        return max(self.options(), key=lambda option: (option[1], -option[2]))[0]
 
     def held(self, mode: str) -> float:
         """The bytes the layer holds after its forward in `mode`."""
@@ -73,6 +89,7 @@ class LayerCost:
             KEEP_MATMULS: self.kept,
             KEEP_ATTENTION: self.attention,
             FULL: min(self.plain, self.checkpointed),
+            OFFLOAD: self.offloaded,
         }[mode] or 0.0
 
     def cost(self, mode: str) -> float:
@@ -82,24 +99,28 @@ class LayerCost:
             KEEP_MATMULS: self.kept_seconds,
             KEEP_ATTENTION: self.attention_seconds,
             FULL: self.seconds,
+            OFFLOAD: self.offloaded_seconds,
         }[mode]
 
     def options(self) -> list[tuple[str, float, float]]:
         """(mode, bytes shed, seconds) of each useful way to run this layer, plain first: a
-        selective lever where it holds less than plain for less than a whole recompute."""
+        selective lever where it holds less than plain for less than a whole recompute, offloading
+        where it holds less than whole."""
         out = [(PLAIN, 0.0, 0.0)]
         for mode, held in ((KEEP_ATTENTION, self.attention), (KEEP_MATMULS, self.kept)):
             if held is not None and held < self.plain and self.cost(mode) < self.seconds:
                 out.append((mode, self.plain - held, self.cost(mode)))
         if self.shed > 0:
             out.append((FULL, self.shed, self.seconds))
+        if self.offloaded is not None and self.offloaded < min(self.plain, self.checkpointed):
+            out.append((OFFLOAD, self.plain - self.offloaded, self.offloaded_seconds))
         return out
 
 
 @dataclass
 class Plan:
     """How each layer runs (plain, checkpointed keeping its matmuls or its attention output,
-    checkpointed whole), and what that is expected to hold and cost."""
+    checkpointed whole, offloaded), and what that is expected to hold and cost."""
 
     modes: list[str]
     limit: float  # the budget in bytes
@@ -128,13 +149,17 @@ class Plan:
         return sum(mode == KEEP_ATTENTION for mode in self.modes)
 
     @property
+    def offloaded(self) -> int:
+        return sum(mode == OFFLOAD for mode in self.modes)
+
+    @property
     def below_floor(self) -> bool:
         return self.limit < self.floor
 
     def every_n_layers(self) -> int | None:
         """The `every_n_layers` of transformers' enable that expresses this plan (layer i
-        checkpoints whole iff i % n == 0, no selective layer), or None."""
-        if any(mode in SELECTIVE for mode in self.modes):
+        checkpoints whole iff i % n == 0, no selective or offloaded layer), or None."""
+        if any(mode in FILLED for mode in self.modes):
             return None
         n_layers = len(self.modes)
         for n in range(1, n_layers + 1):
@@ -145,13 +170,14 @@ class Plan:
 
 def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
     """The plan holding at most `limit` bytes with the least recompute (ties: fewer bytes held);
-    a limit below the floor gives every layer checkpointed whole. Each layer's options
+    a limit below the floor gives every layer its option holding the fewest bytes (whole, or
+    offloaded where it can be). Each layer's options
     (`LayerCost.options`) make it a multiple-choice knapsack, solved exactly over the Pareto front
     of (bytes shed, seconds). Where a layer has a selective lever, the plans within SLACK of full
     checkpointing's recompute of the cheapest count as one price, and the one recomputing the
     fewest matmuls among them is taken."""
     plain_total = outside + sum(layer.plain for layer in layers)
-    floor = outside + sum(min(layer.plain, layer.checkpointed) for layer in layers)
+    floor = outside + sum(layer.least for layer in layers)
     full_s = sum(layer.seconds for layer in layers if layer.shed > 0)
     need = plain_total - limit
     exact = True
@@ -159,7 +185,7 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
     if need <= 0:
         pass
     elif limit < floor:
-        modes = [FULL if layer.shed > 0 else PLAIN for layer in layers]
+        modes = [layer.fewest_mode() for layer in layers]
     else:
         found = _cheapest_cover(layers, need)
         if found is None:
@@ -383,7 +409,7 @@ def _spread(layers: Sequence[LayerCost], modes: list[str]) -> list[str]:
     """Among interchangeable layers (same kind, bytes and seconds) any arrangement of the same
     modes costs the same: the whole-layer ones go to every (n/k)-th, so the plan is what
     transformers' `every_n_layers` would pick where it can; the selective ones fill in after
-    them, each lever spread over the layers left."""
+    them, each lever (and offloading) spread over the layers left."""
     out = list(modes)
     for members in _groups(layers).values():
         full = sum(modes[i] == FULL for i in members)
@@ -391,7 +417,7 @@ def _spread(layers: Sequence[LayerCost], modes: list[str]) -> list[str]:
         rest = [i for i in members if i not in spots]
         for i in members:
             out[i] = FULL if i in spots else PLAIN
-        for lever in SELECTIVE:
+        for lever in FILLED:
             count = sum(modes[i] == lever for i in members)
             taken = [rest[(j * len(rest)) // count] for j in range(count)] if count else []
             for i in taken:
@@ -413,6 +439,8 @@ def _groups(layers: Sequence[LayerCost]) -> dict[tuple, list[int]]:
             layer.kept_seconds,
             layer.attention,
             layer.attention_seconds,
+            layer.offloaded,
+            layer.offloaded_seconds,
         )
         groups.setdefault(key, []).append(i)
     return groups

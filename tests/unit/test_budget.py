@@ -181,16 +181,28 @@ def test_a_front_too_large_falls_back_to_cheapest_per_byte_and_says_so(monkeypat
     assert not plan.exact and plan.total <= plan.limit
 
 
+def _all(layer):
+    """Every mode the layer has figures for, useful or not: (mode, bytes shed, seconds)."""
+    held = {
+        "plain": layer.plain,
+        "keep-matmuls": layer.kept,
+        "keep-attention": layer.attention,
+        "full": min(layer.plain, layer.checkpointed),
+        "offload": layer.offloaded,
+    }
+    return [(m, layer.plain - h, layer.cost(m)) for m, h in held.items() if h is not None]
+
+
 def _exhaustive_choices(layers, outside, limit, bound=None):
     """Over every way to run the layers (plain, keeping matmuls, keeping the attention output,
-    whole: each layer's offered options) holding at most `limit`: the least recompute, or (with
+    whole, offloaded: each layer's offered options) holding at most `limit`: the least recompute, or (with
     `bound`) the least matmul recompute (whole and attention-keeping layers' seconds) among those
     costing at most `bound`. (cost, matmul, held) of the best."""
     best = None
-    for picks in itertools.product(*(layer.options() for layer in layers)):
+    for picks in itertools.product(*(_all(layer) for layer in layers)):
         held = outside + sum(layer.plain - shed for layer, (_, shed, _) in zip(layers, picks))
         cost = sum(seconds for _, _, seconds in picks)
-        matmul = sum(s for mode, _, s in picks if mode in ("full", "keep-attention"))
+        matmul = sum(s for mode, _, s in picks if mode in solver.RECOMPUTES_MATMULS)
         if held > limit or (bound is not None and cost > bound):
             continue
         key = (cost, matmul, held) if bound is None else (matmul, cost, held)
@@ -200,7 +212,7 @@ def _exhaustive_choices(layers, outside, limit, bound=None):
 
 
 choice_st = st.builds(
-    lambda plain, ckpt, kept, attention, seconds, kept_share, attention_share: LayerCost(
+    lambda plain, ckpt, kept, attention, seconds, kept_share, attention_share, offload: LayerCost(
         "l",
         float(plain),
         float(min(ckpt, plain)),
@@ -210,6 +222,8 @@ choice_st = st.builds(
         seconds / 10 * kept_share,
         None if attention is None else float(min(ckpt, plain) + attention),
         seconds / 10 * attention_share,
+        None if offload is None else float(max(0, min(ckpt, plain) - offload[0])),
+        seconds / 10 * offload[1] if offload else 0.0,
     ),
     st.integers(1, 60),
     st.integers(0, 20),
@@ -218,6 +232,8 @@ choice_st = st.builds(
     st.integers(0, 30),
     st.floats(0.0, 1.2),
     st.floats(0.3, 1.2),
+    # offloading: the bytes of its inputs it moves off the device, its cost over a whole layer's
+    st.one_of(st.none(), st.tuples(st.integers(0, 20), st.floats(1.0, 2.0))),
 )
 
 
@@ -235,15 +251,18 @@ repeated_st = st.lists(st.tuples(choice_st, st.integers(1, 3)), min_size=1, max_
 )
 def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, outside, fraction):
     """A layer may also be checkpointed keeping its matmuls or its attention output (fewer bytes
-    shed, less recompute): a multiple-choice knapsack, solved exactly; among the plans within
-    SLACK of full checkpointing's recompute of the cheapest, the one recomputing the fewest
-    matmuls (whole and attention-keeping layers' seconds)."""
+    shed, less recompute), or whole with its inputs offloaded (more bytes shed, the copies'
+    time besides): a multiple-choice knapsack, solved exactly; among the plans within SLACK of
+    full checkpointing's recompute of the cheapest, the one recomputing the fewest matmuls (whole,
+    offloaded and attention-keeping layers' seconds). Below the floor, each layer's fewest bytes."""
     plain = outside + sum(l.plain for l in layers)
     limit = fraction * plain
     plan = solve(layers, float(outside), limit)
     cheapest = _exhaustive_choices(layers, outside, limit)
     if plan.below_floor:
-        assert plan.modes == ["full" if l.shed > 0 else "plain" for l in layers]
+        assert cheapest is None
+        least = [min(l.held(m) for m, *_ in l.options()) for l in layers]
+        assert [l.held(m) for l, m in zip(layers, plan.modes)] == least
         return
     assert cheapest is not None and plan.exact
     assert plan.total <= limit + 1e-9
@@ -251,10 +270,10 @@ def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, ou
     selective = any(m in solver.SELECTIVE for l in layers for m, *_ in l.options())
     bound = cheapest[0] + (solver.SLACK * full_s if selective else 0)
     assert plan.recompute_s <= bound + 1e-9
-    matmul = sum(l.cost(m) for l, m in zip(layers, plan.modes) if m in ("full", "keep-attention"))
+    matmul = sum(l.cost(m) for l, m in zip(layers, plan.modes) if m in solver.RECOMPUTES_MATMULS)
     fewest = _exhaustive_choices(layers, outside, limit, bound + 1e-9)
     assert matmul == pytest.approx(fewest[1], abs=1e-9)
-    assert plan.every_n_layers() is None or plan.kept_matmuls == plan.kept_attention == 0
+    assert plan.every_n_layers() is None or set(plan.modes) <= {"plain", "full"}
 
 
 @settings(max_examples=300, deadline=None)
@@ -286,6 +305,22 @@ def test_plans_within_the_clocks_slack_go_to_the_fewest_whole_layers():
         plan = solve([layer] * 8, 0.0, 4.0)
         assert (plan.modes.count("full"), plan.kept_matmuls) == (whole, kept), share
         assert plan.total <= 4.0
+
+
+def test_offloading_is_taken_only_where_whole_layers_cannot_meet_the_budget():
+    """8 like layers holding 100 bytes plain, 10 whole (1 s) or 2 offloaded (1.3 s, the copies):
+    at 300 bytes whole layers meet it and no layer pays for the copies; at 60, below whole
+    checkpointing's floor of 80, the fewest offloaded layers that reach it (3: 3 x 2 + 5 x 10 = 56)
+    and the rest whole; at 10, below every option's floor, every layer offloaded."""
+    layer = LayerCost("l", 100.0, 10.0, 1.0, "block", offloaded=2.0, offloaded_seconds=1.3)
+    roomy = solve([layer] * 8, 0.0, 300.0)
+    assert roomy.offloaded == 0 and roomy.count == 6 and roomy.every_n_layers() is None
+    tight = solve([layer] * 8, 0.0, 60.0)
+    assert (tight.offloaded, tight.modes.count("full")) == (3, 5) and tight.total == 56.0
+    assert not tight.below_floor and tight.every_n_layers() is None
+    below = solve([layer] * 8, 0.0, 10.0)
+    assert below.below_floor and below.modes == ["offload"] * 8 and below.floor == 16.0
+    assert below.recompute_s == pytest.approx(8 * 1.3)
 
 
 def test_keeping_matmuls_is_chosen_where_it_sheds_enough_for_less():

@@ -20,6 +20,8 @@ STEP = {
     "step.heap",
     "step.solver",
     "step.cost_model",
+    "step.swap",
+    "step.offload",
     "step.selective",
     "step.layer_costs",
     "step.training",

@@ -77,6 +77,7 @@ CONSTANT = {
     "schema.FAILURE_ORDER",
     "schema.STRENGTH_ORDER",
     "step.selective.LEVERS",
+    "step.selective.NAMED",
     "step.verify.RTOL",
     "verify.__all__",
 }
