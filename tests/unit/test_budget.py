@@ -182,7 +182,8 @@ def test_a_front_too_large_falls_back_to_cheapest_per_byte_and_says_so(monkeypat
 
 
 def _all(layer):
-    """Every mode the layer has figures for, useful or not: (mode, bytes shed, seconds)."""
+    """Every mode the layer has figures for, useful or not, but a selective lever costing no less
+    than a whole recompute (not offered: solver.LayerCost.options): (mode, bytes shed, seconds)."""
     held = {
         "plain": layer.plain,
         "keep-matmuls": layer.kept,
@@ -190,7 +191,11 @@ def _all(layer):
         "full": min(layer.plain, layer.checkpointed),
         "offload": layer.offloaded,
     }
-    return [(m, layer.plain - h, layer.cost(m)) for m, h in held.items() if h is not None]
+    return [
+        (m, layer.plain - h, layer.cost(m))
+        for m, h in held.items()
+        if h is not None and not (m in solver.SELECTIVE and layer.cost(m) >= layer.seconds)
+    ]
 
 
 def _exhaustive_choices(layers, outside, limit, bound=None):
