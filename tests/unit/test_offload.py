@@ -266,12 +266,9 @@ def _costs(layers: int):
     )
 
 
-def test_a_plan_below_whole_checkpointings_floor_offloads_and_trains_exactly(cpu_as_device, caplog):
-    """A budget of 0.066 (19.8 bytes of 300) is below whole checkpointing's 30: two layers offloaded, one
-    whole; its forward moves their inputs and its gradients are whole checkpointing's. A layer
-    planned offloaded that moved nothing (its flag switched off behind the plan's back) is
-    whole from the next step, said once."""
-
+def _checkpointed_llama():
+    """The tiny Llama with every layer checkpointed whole, and a step that returns its gradients
+    (the same dropout masks every time)."""
     model, layers = _llama(torch.float32, False)
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
 
@@ -283,6 +280,16 @@ def test_a_plan_below_whole_checkpointings_floor_offloads_and_trains_exactly(cpu
 
     for m in layers:
         m.gradient_checkpointing = True
+    return model, layers, grads
+
+
+def test_a_plan_below_whole_checkpointings_floor_offloads_and_trains_exactly(cpu_as_device, caplog):
+    """A budget of 0.066 (19.8 bytes of 300) is below whole checkpointing's 30: two layers
+    offloaded, one whole; its forward moves their inputs and its gradients are whole
+    checkpointing's. A layer
+    planned offloaded that moved nothing (its flag switched off behind the plan's back) is
+    whole from the next step, said once."""
+    model, layers, grads = _checkpointed_llama()
     whole = grads()
     plans = shapes.ShapePlans(model, layers, _costs(3), parse("0.066"), "LlamaForCausalLM")
     plan = plans.plan_for(1, 16)
@@ -358,18 +365,7 @@ def test_a_copy_to_the_host_that_fails_leaves_the_input_on_the_device_and_says_s
     """Fails open: the step runs and trains as whole checkpointing would, the wrappers moved
     nothing, and the plan's check says so in one line with the reason: those layers are whole
     from the next step."""
-
-    model, layers = _llama(torch.float32, False)
-    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
-
-    def grads():
-        model.zero_grad()
-        torch.manual_seed(7)
-        model(input_ids=ids, labels=ids).loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    for m in layers:
-        m.gradient_checkpointing = True
+    model, layers, grads = _checkpointed_llama()
     whole = grads()
 
     def refuse(tensor):
