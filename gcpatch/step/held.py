@@ -156,6 +156,10 @@ class Held:
         key = self._key(tensor)
         if key is not None:
             self.saved_by.setdefault(key, set()).add(self._stack[-1])
+        if tensor.grad_fn is None:
+            # a leaf (a parameter) as autograd saves it: the tensor itself, so a framework that
+            # swaps a parameter's data out (DeepSpeed ZeRO-3 after its gather) frees the old one
+            return tensor
         # detached: the same storage, held as long as autograd would, without the reference to
         # its grad_fn a saved output would then make from its own node (a cycle that outlives the
         # measuring forward until the garbage collector runs, counted by the step around it)

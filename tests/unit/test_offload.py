@@ -9,6 +9,7 @@ checkpointing's, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import itertools
@@ -387,3 +388,22 @@ def test_a_copy_to_the_host_that_fails_leaves_the_input_on_the_device_and_says_s
     ), line
     again = plans.plan_for(1, 16).modes
     assert all(again[i] == FULL for i, m in enumerate(plan.modes) if m == OFFLOAD), again
+
+
+def test_reading_who_saved_what_holds_a_parameter_as_autograd_does():
+    """A parameter an operator saves for the backward (a product saves both factors) is held as
+    itself, not as an alias of its storage: a framework that swaps its data out after use
+    (DeepSpeed ZeRO-3 frees what it gathered) frees the old storage in the measuring forward as
+    in a plain one."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def freed(savers):
+        scale = torch.nn.Parameter(torch.randn(16))
+        x = torch.randn(4, 16, requires_grad=True)
+        with Held(savers=savers) if savers else contextlib.nullcontext():
+            out = (x * 1.0) * scale
+        old = StorageWeakRef(scale.untyped_storage())
+        scale.data = torch.empty(0)  # what ZeRO-3 does to a gathered parameter after use
+        return old.expired()
+
+    assert freed(False) and freed(True)
