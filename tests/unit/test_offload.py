@@ -404,6 +404,7 @@ def test_reading_who_saved_what_holds_a_parameter_as_autograd_does():
             out = (x * 1.0) * scale
         old = StorageWeakRef(scale.untyped_storage())
         scale.data = torch.empty(0)  # what ZeRO-3 does to a gathered parameter after use
+        assert out.grad_fn is not None  # the graph, and what it saved, still alive
         return old.expired()
 
     assert freed(False) and freed(True)
