@@ -320,10 +320,8 @@ def _levers(levers: dict) -> list[str]:
         if levers["not_offered"] and lever in selective.LEVERS:
             out.append(f"{name}: not offered, {levers['not_offered']}")
         elif share is None:
-            out.append(
-                f"{name}: not chosen, its cost could not be told on this clock (or its policy kept"
-                " nothing)"
-            )
+            idle = "it moved nothing" if lever == solver.OFFLOAD else "its policy kept nothing"
+            out.append(f"{name}: not chosen, its cost could not be told on this clock (or {idle})")
         else:
             out.append(
                 f"{name}: costs {share:.2f} of a whole layer's recompute (measured on one layer)"

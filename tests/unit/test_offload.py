@@ -21,10 +21,10 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 from gcpatch.budget import parse  # noqa: E402
-from gcpatch.step import layer_costs, offload, selective, shapes  # noqa: E402
+from gcpatch.step import layer_costs, offload, planner, selective, shapes  # noqa: E402
 from gcpatch.step.cost_model import CostModel, Curve  # noqa: E402
 from gcpatch.step.held import Held, held_bytes  # noqa: E402
-from gcpatch.step.solver import FULL, OFFLOAD, PLAIN  # noqa: E402
+from gcpatch.step.solver import FULL, KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD, PLAIN  # noqa: E402
 
 WIDTH, BATCH = 8, 3
 F32 = 4
@@ -408,3 +408,23 @@ def test_reading_who_saved_what_holds_a_parameter_as_autograd_does():
         return old.expired()
 
     assert freed(False) and freed(True)
+
+
+def test_explain_says_what_offloading_measured_apart_from_the_selective_levers():
+    """Under reentrant checkpointing the selective levers are not offered and offloading is: each
+    line says its own (gcpatch explain reads them from the record)."""
+    why = "reentrant checkpointing, which selective checkpointing cannot run under"
+    shares = {KEEP_MATMULS: None, KEEP_ATTENTION: None, OFFLOAD: 1.3}
+    lines = planner._levers({"shares": shares, "not_offered": why})
+    assert lines[:2] == [
+        f"{n}: not offered, {why}" for n in ("keeping the matmuls", "keeping the attention output")
+    ]
+    assert (
+        lines[2]
+        == "offloading the inputs: costs 1.30 of a whole layer's recompute (measured on one layer)"
+    )
+    shares[OFFLOAD] = None
+    assert planner._levers({"shares": shares, "not_offered": None})[2] == (
+        "offloading the inputs: not chosen, its cost could not be told on this clock (or it moved"
+        " nothing)"
+    )
