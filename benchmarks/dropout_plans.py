@@ -1,0 +1,179 @@
+"""With attention dropout on a CPU: is the budget's plan, chosen by measured time, the fastest of the
+plans that meet the budget, against plans that recompute fewer matmul FLOPs?
+
+    GCPATCH=1 python benchmarks/dropout_plans.py            # writes DROPOUT_PLANS.md
+
+An 8-layer Llama (hidden 256, 2 x 1024 tokens, sdpa, fp32, attention dropout 0.1, non-reentrant),
+the model of integration/test_budget_selective.py's dropout case. CPU attention with dropout runs
+unfused, so a layer keeping its matmuls still recomputes softmax and dropout over tokens x tokens;
+its measured cost decides how many layers the plan keeps that way and how many it checkpoints
+whole. The first step plans under GCPATCH_MEMORY_BUDGET=0.5; then the model's checkpointing is
+disabled (gcpatch leaves a disabled model alone) and each plan is set on the layers by hand:
+gcpatch's own, every layer keeping its matmuls (no matmul recomputed), 2 whole and 5 keeping (the
+issue's FLOPs bound, 0.25), full checkpointing and none. Steps alternate plan by plan, `--rounds`
+times; each is timed in the thread's CPU time on one compute thread (other jobs on a shared machine
+do not count), with
+the bytes its forward holds (gcpatch's instrument) and the matmul FLOPs its backward recomputes
+(torch.utils.flop_counter, against the backward without checkpointing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("GCPATCH_MEMORY_BUDGET", "0.5")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch.utils import flop_counter  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+BATCH, TOKENS, LAYERS = 2, 1024, 8
+PLANS = {
+    "keeping every layer's matmuls": ["keep-matmuls"] * LAYERS,
+    "2 whole, 5 keeping, 1 plain": ["full", "keep-matmuls", "keep-matmuls", "plain"]
+    + ["full", "keep-matmuls", "keep-matmuls", "keep-matmuls"],
+    "full checkpointing": ["full"] * LAYERS,
+    "no checkpointing": ["plain"] * LAYERS,
+}
+
+
+def build():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.1,
+        tie_word_embeddings=False,
+        use_cache=False,
+        max_position_embeddings=TOKENS,
+    )
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def modes_of(layers) -> list[str]:
+    """How each layer runs: plain, whole, or under a lever's policy (its name)."""
+    out = []
+    for m in layers:
+        func = getattr(m, "_gradient_checkpointing_func", None)
+        context = getattr(func, "keywords", {}).get("context_fn")
+        if not m.gradient_checkpointing:
+            out.append("plain")
+        else:
+            out.append(getattr(getattr(context, "__self__", None), "lever", "full"))
+    return out
+
+
+def set_plan(layers, own, modes) -> None:
+    from gcpatch.step import selective
+
+    for m, func, mode in zip(layers, own, modes):
+        m.gradient_checkpointing = mode != "plain"
+        m._gradient_checkpointing_func = (
+            selective.keeping(func, selective.Keep(mode)) if mode in selective.LEVERS else func
+        )
+
+
+def seconds(model, ids, seed: int) -> float:
+    """Thread seconds of one step's forward and backward."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    start = time.thread_time()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return time.thread_time() - start
+
+
+def figures(model, ids) -> tuple[int, int]:
+    """(bytes the forward holds for its backward, the backward's matmul FLOPs)."""
+    from gcpatch.step.held import held_bytes
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with held_bytes() as held:
+        loss = model(input_ids=ids, labels=ids).loss
+    nbytes = held.total(returned=loss)
+    counter = flop_counter.FlopCounterMode(display=False)
+    with counter:
+        loss.backward()
+    return nbytes, counter.get_total_flops()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    # one compute thread, so the thread's CPU time is the step's (memory_budget.py's clock)
+    torch.set_num_threads(1)
+    import gcpatch  # noqa: F401 (GCPATCH=1 armed it already; an import is the documented switch)
+
+    model = build()
+    layers = list(model.model.layers)
+    ids = torch.randint(0, 256, (BATCH, TOKENS), generator=torch.Generator().manual_seed(3))
+    seconds(model, ids, 0)  # the first step: gcpatch measures and plans
+    plans = {"gcpatch's plan": modes_of(layers), **PLANS}
+    own = [m._gradient_checkpointing_func for m in layers]
+    model.gradient_checkpointing_disable()  # gcpatch leaves a disabled model alone
+    from gcpatch.step import selective
+
+    own = [selective.own(f) for f in own]
+    measured = {}
+    for name, modes in plans.items():  # a warm-up round, measuring bytes and FLOPs
+        set_plan(layers, own, modes)
+        measured[name] = figures(model, ids)
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    for round_ in range(args.rounds):
+        for name, modes in plans.items():
+            set_plan(layers, own, modes)
+            times[name].append(seconds(model, ids, 100 + round_))
+    write(plans, times, measured, args.rounds)
+
+
+def write(plans, times, figures, rounds) -> None:
+    plain_bytes, plain_flops = figures["no checkpointing"]
+    full_flops = figures["full checkpointing"][1] - plain_flops
+    plain_s = statistics.median(times["no checkpointing"])
+    full_over = statistics.median(times["full checkpointing"]) / plain_s - 1
+    lines = [
+        "# With attention dropout: the budget's plan against plans recomputing fewer FLOPs",
+        "",
+        f"Generated by `GCPATCH=1 python benchmarks/dropout_plans.py --rounds {rounds}` (torch "
+        f"{torch.__version__}, {torch.get_num_threads()} thread(s), CPU). See the script's "
+        "docstring. bytes: the forward's held bytes / no checkpointing's; FLOPs: matmul FLOPs "
+        "recomputed / full checkpointing's; time: median step thread time / no checkpointing's; "
+        "overhead: its excess / full checkpointing's.",
+        "",
+        "| plan | layers | bytes | FLOPs | time | overhead |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, modes in plans.items():
+        nbytes, flops = figures[name]
+        over = statistics.median(times[name]) / plain_s - 1
+        counted = " ".join(
+            f"{modes.count(m)}{letter}"
+            for m, letter in (("full", "W"), ("keep-matmuls", "K"), ("plain", "P"))
+        )
+        lines.append(
+            f"| {name} | {counted} | {nbytes / plain_bytes:.3f} | "
+            f"{(flops - plain_flops) / full_flops:.3f} | {over + 1:.3f} | "
+            f"{over / full_over:.2f} |"
+        )
+    (HERE / "DROPOUT_PLANS.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
