@@ -19,7 +19,6 @@ import logging
 import sys
 from typing import Any, Callable
 
-from gcpatch.step import swap
 from gcpatch.step.swap import CONTEXT_FN
 
 log = logging.getLogger("gcpatch")
@@ -103,8 +102,3 @@ class Offload:
 def own(func: Any) -> Any:
     """The layer's own checkpoint function where `func` is it offloaded."""
     return func.func if isinstance(func, Offload) else func
-
-
-def switched(layers: list[Any]) -> Any:
-    """The layers checkpointed whole, offloaded (for a measuring pass); yields their wrappers."""
-    return swap.switched(layers, [Offload] * len(layers))
