@@ -44,23 +44,11 @@ PLANS = {
 
 
 def build():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """integration/scripts/budget_selective.py's model, with dropout, checkpointing enabled."""
+    sys.path.insert(0, str(HERE.parent / "integration" / "scripts"))
+    from budget_selective import build as selective_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_dropout=0.1,
-        tie_word_embeddings=False,
-        use_cache=False,
-        max_position_embeddings=TOKENS,
-    )
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).train()
+    model = selective_model(argparse.Namespace(dropout=0.1, dtype="float32")).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
