@@ -127,12 +127,12 @@ class CostModel:
                     c,
                     self.seconds[i] * scale,
                     kind,
-                    kept,
-                    kept_s,
-                    att,
-                    att_s,
-                    off,
-                    off_s,
+                    kept=kept,
+                    kept_seconds=kept_s,
+                    attention=att,
+                    attention_seconds=att_s,
+                    offloaded=off,
+                    offloaded_seconds=off_s,
                 )
             )
         return out, self.outside(rows, tokens)

@@ -1,5 +1,5 @@
-"""The layers' checkpointing switched for a measuring pass (gcpatch/step/selective.py,
-gcpatch/step/offload.py): each checkpointed under a function made from its own, its own flag and
+"""The layers' checkpointing switched for a measuring pass (gcpatch/step/selective.py: under a
+lever, whole, offloaded): each checkpointed under a function made from its own, its own flag and
 function back afterwards, whatever the pass raised."""
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ CONTEXT_FN = "context_fn"
 
 
 @contextlib.contextmanager
-def switched(layers: list[Any], make: list[Callable[[Any], Any] | None]) -> Iterator[list[Any]]:
-    """Each layer with a `make` checkpointed under `make(its function)`; yields those functions
-    (None for a layer left as it is)."""
+def switched(layers: list[Any], make: list[Callable[[Any], Any] | None]) -> Iterator[None]:
+    """Each layer with a `make` checkpointed under `make(its function)`; a layer whose `make` is
+    None is left as it is."""
     saved = [(m, vars(m).get(FLAG), vars(m).get(FUNC)) for m in layers]
-    made: list[Any] = []
     try:
         for m, how in zip(layers, make):
-            made.append(None if how is None else how(getattr(m, FUNC, None)))
             if how is not None:
-                setattr(m, FUNC, made[-1])
+                setattr(m, FUNC, how(getattr(m, FUNC, None)))
                 setattr(m, FLAG, True)
-        yield made
+        yield
     finally:
         for m, flag, func in saved:
             for name, value in ((FLAG, flag), (FUNC, func)):
