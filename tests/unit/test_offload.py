@@ -320,14 +320,23 @@ def test_a_plan_below_whole_checkpointings_floor_offloads_and_trains_exactly(cpu
     assert again.plan_for(1, 16).modes[idle] == FULL
 
 
-def test_offloading_is_timed_on_one_layer_where_it_is_offered(cpu_as_device):
+def test_offloading_is_timed_on_one_layer_where_it_is_offered(cpu_as_device, monkeypatch):
     """Its cost is measured like the levers' (gcpatch/step/selective.py `shares`), its copies in
-    it, and the wrapper it timed moved the layer's inputs; where it is not offered it is not
-    timed (the CPU's own test below)."""
+    it: the offloaded mode ran and moved the layer's inputs in every round; where it is not
+    offered it is not timed (the CPU's own test below)."""
     model, layers = _llama(torch.float32, False)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    copies = []
+
+    def counted(tensor):
+        copies.append(tensor.shape)
+        return _to_host(tensor)
+
+    monkeypatch.setattr(offload, "_to_pinned", counted)
     shares = selective.shares(layers, lambda: model(input_ids=ids, labels=ids))
     assert OFFLOAD in shares
+    # a warm-up round and at least ROUNDS timed ones, each moving the layer's hidden states
+    assert copies.count(torch.Size([2, 16, 32])) >= 1 + selective.ROUNDS, copies
     share = shares[OFFLOAD]
     assert share is None or share > 0  # None: this clock could not tell whole from plain
 
