@@ -425,27 +425,34 @@ def summarise(raw: dict) -> list[dict]:
     return rows
 
 
-# how the table names each mode: whole, keeping the matmuls, keeping the attention output, plain
+# how the table names each mode: whole, keeping the matmuls, keeping the attention output, plain;
+# and where any layer runs so, the feed-forward block alone and offloaded (tables of runs before
+# those levers read as they did)
 LETTERS = {"full": "W", "keep-matmuls": "K", "keep-attention": "A", "plain": "P"}
+LATER = {"feed-forward": "F", "offload": "O"}
 
 
 def _modes(modes: list[str] | None) -> str:
-    """Each mode's layers, counted: `2W 6K 0A 0P`, and `2O` where layers are offloaded (on an
-    accelerator, where whole layers cannot meet the budget for less)."""
+    """Each mode's layers, counted: `2W 6K 0A 0P`, then `6F` or `2O` where layers run with their
+    feed-forward block alone checkpointed or offloaded."""
     if modes is None:
         return "-"
-    counted = " ".join(f"{modes.count(mode)}{letter}" for mode, letter in LETTERS.items())
-    offloaded = modes.count("offload")
-    return f"{counted} {offloaded}O" if offloaded else counted
+    counted = [f"{modes.count(mode)}{letter}" for mode, letter in LETTERS.items()]
+    counted += [f"{modes.count(mode)}{letter}" for mode, letter in LATER.items() if mode in modes]
+    return " ".join(counted)
 
 
-def _shares(shares: dict) -> str:
-    """Each lever's measured cost over a whole layer's recompute: `0.24 / 0.71`."""
-    return " / ".join(_fraction(shares.get(mode)) for mode in ("keep-matmuls", "keep-attention"))
+def _shares(shares: dict, split: bool) -> str:
+    """Each lever's measured cost over a whole layer's recompute: `0.24 / 0.71`, and `/ 0.20`
+    for the feed-forward block alone where the run measured it (`split`)."""
+    levers = ("keep-matmuls", "keep-attention", "feed-forward")[: 3 if split else 2]
+    return " / ".join(_fraction(shares.get(mode)) for mode in levers)
 
 
 def write(raw: dict, out: Path, quick: bool) -> None:
     rows = summarise(raw)
+    split = any("feed-forward" in (r.get("shares") or {}) for r in rows)
+    levers = "K / A / F" if split else "K / A"
     setup = raw.get("setup", SETUP)  # runs before the GPU option had none: the CPU defaults
     if setup["device"].startswith("cuda"):
         where = (
@@ -481,11 +488,16 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         "attention kernels' outputs, `A` checkpointed keeping their attention kernel's output alone, "
         "`P` plain"
         + (
+            ", `F` plain with their MLP alone checkpointed"
+            if any("F" in str(r.get("modes")) for r in rows)
+            else ""
+        )
+        + (
             ", `O` checkpointed whole with their inputs offloaded to host memory"
             if any("O" in str(r.get("modes")) for r in rows)
             else ""
         )
-        + "; `K / A cost`: what each lever measured at the first step, over a whole layer's "
+        + f"; `{levers} cost`: what each lever measured at the first step, over a whole layer's "
         "recompute (the solver's input);",
         "- selective: torch's selective checkpointing by hand on every layer (a `context_fn` saving "
         "matmuls and attention kernels);",
@@ -499,7 +511,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         "",
     ]
     head = (
-        "| layers | seq | budget | gcpatch layers | K / A cost | gcpatch bytes | gcpatch time | gcpatch FLOPs "
+        f"| layers | seq | budget | gcpatch layers | {levers} cost | gcpatch bytes | gcpatch time | gcpatch FLOPs "
         "| full bytes | full time | n | every_n bytes | every_n time | every_n FLOPs |"
     )
     sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -518,7 +530,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         over = "" if r["met"] else " (over)"
         line = (
             f"| {r['layers']} | {r['seq']} | {r['budget']:.1f} | {r['modes']} | "
-            f"{_shares(r.get('shares') or {})} | "
+            f"{_shares(r.get('shares') or {}, split)} | "
             f"{r['gcpatch_bytes']:.3f}{over} | {r['gcpatch_time']:.3f} | {_fraction(r.get('gcpatch_flops'))} | "
             f"{r['full_bytes']:.3f} | {r['full_time']:.3f} | {r['n']} | "
             f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} | {_fraction(r.get('every_n_flops'))} |"

@@ -17,7 +17,9 @@ under a selective lever (gcpatch/step/selective.py): keeping its matmuls' output
 are its outputs plus what its matmuls produce, or its attention kernel's output alone, plus what
 that kernel produces, each fitted like the rest; and, on an accelerator, of checkpointing it whole
 with its inputs offloaded (gcpatch/step/offload.py), which holds what whole holds less those
-inputs. Pure arithmetic, no torch.
+inputs, and of running it plain with its feed-forward block alone checkpointed
+(gcpatch/step/feed_forward.py), which holds what plain holds less what the block made. Pure
+arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD, LayerCost
+from gcpatch.step.solver import FEED_FORWARD, KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD, LayerCost
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,10 @@ class CostModel:
     # whole holds less those inputs) and seconds at `timed_at` (None: not offered on that layer)
     offloaded: list[Curve] | None = None
     offloaded_seconds: list[float | None] | None = None
+    # plain with its feed-forward block alone checkpointed (gcpatch/step/feed_forward.py): bytes
+    # held and seconds at `timed_at` (None: not offered on that layer)
+    feed_forward: list[Curve] | None = None
+    feed_forward_seconds: list[float | None] | None = None
 
     def layers(self, rows: int, tokens: int) -> tuple[list[LayerCost], float]:
         """Every layer's cost and what runs outside the layers, at this shape."""
@@ -116,10 +122,8 @@ class CostModel:
             kind = self.kinds[i] if i < len(self.kinds) else ""
             kept, kept_s = _lever(*self.lever(KEEP_MATMULS), i, rows, tokens, p, c, scale)
             att, att_s = _lever(*self.lever(KEEP_ATTENTION), i, rows, tokens, p, c, scale)
-            off, off_s = None, 0.0
-            measured = self.offloaded_seconds[i] if self.offloaded_seconds else None
-            if self.offloaded is not None and measured is not None:
-                off, off_s = min(self.offloaded[i](rows, tokens), c), measured * scale
+            off, off_s = _held(*self.lever(OFFLOAD), i, rows, tokens, c, scale)
+            ff, ff_s = _held(*self.lever(FEED_FORWARD), i, rows, tokens, p, scale)
             out.append(
                 LayerCost(
                     f"{i}",
@@ -133,17 +137,21 @@ class CostModel:
                     attention_seconds=att_s,
                     offloaded=off,
                     offloaded_seconds=off_s,
+                    feed_forward=ff,
+                    feed_forward_seconds=ff_s,
                 )
             )
         return out, self.outside(rows, tokens)
 
     def lever(self, lever: str) -> tuple[list[Curve] | None, list[float | None] | None]:
-        """A lever's fitted bytes (kept, or held offloaded) and measured seconds, per layer."""
-        if lever == KEEP_MATMULS:
-            return self.matmul, self.kept_seconds
-        if lever == OFFLOAD:
-            return self.offloaded, self.offloaded_seconds
-        return self.attention, self.attention_seconds
+        """A lever's fitted bytes (kept, or held offloaded or with the feed-forward block alone
+        checkpointed) and measured seconds, per layer."""
+        return {
+            KEEP_MATMULS: (self.matmul, self.kept_seconds),
+            KEEP_ATTENTION: (self.attention, self.attention_seconds),
+            OFFLOAD: (self.offloaded, self.offloaded_seconds),
+            FEED_FORWARD: (self.feed_forward, self.feed_forward_seconds),
+        }[lever]
 
     def plain_total(self, rows: int, tokens: int) -> float:
         layers, outside = self.layers(rows, tokens)
@@ -165,6 +173,8 @@ class CostModel:
             "attention_seconds": self.attention_seconds,
             "offloaded": _curves(self.offloaded),
             "offloaded_seconds": self.offloaded_seconds,
+            "feed_forward": _curves(self.feed_forward),
+            "feed_forward_seconds": self.feed_forward_seconds,
         }
 
     @classmethod
@@ -184,6 +194,8 @@ class CostModel:
             attention_seconds=data.get("attention_seconds"),
             offloaded=_read_curves(data.get("offloaded")),
             offloaded_seconds=data.get("offloaded_seconds"),
+            feed_forward=_read_curves(data.get("feed_forward")),
+            feed_forward_seconds=data.get("feed_forward_seconds"),
         )
 
 
@@ -203,6 +215,24 @@ def _lever(
     if kept is None or measured is None:
         return None, 0.0
     return min(plain, checkpointed + kept[i](rows, tokens)), measured * scale
+
+
+def _held(
+    held: list[Curve] | None,
+    seconds: list[float | None] | None,
+    i: int,
+    rows: int,
+    tokens: int,
+    most: float,
+    scale: float,
+) -> tuple[float | None, float]:
+    """A lever measured by what the layer holds under it (offloaded: never above whole; the
+    feed-forward block alone: never above plain) and its seconds at this shape, or (None, 0)
+    where the layer does not offer it."""
+    measured = seconds[i] if seconds else None
+    if held is None or measured is None:
+        return None, 0.0
+    return min(held[i](rows, tokens), most), measured * scale
 
 
 def _curves(curves: list[Curve] | None) -> list[dict] | None:

@@ -6,7 +6,9 @@ backward, by the layer that allocated them.
 running then. After the forward, with its graph kept and what it returned let go, the storages
 still alive are exactly what the backward holds on to (saved tensors, checkpoint inputs), each
 counted once however many tensors share it. No saved-tensor hooks: what is counted is what the
-allocator holds.
+allocator holds. Given each layer's feed-forward block, it also notes what the block's calls made,
+took and returned, and whether one wrote into a tensor it was given: what checkpointing the block
+alone would shed (gcpatch/step/feed_forward.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ class Held:
     forward; read `alive()` while its output is still referenced."""
 
     def __init__(
-        self, layers: list[Any] | None = None, device_only: bool = False, savers: bool = False
+        self,
+        layers: list[Any] | None = None,
+        device_only: bool = False,
+        savers: bool = False,
+        blocks: list[Any] | None = None,
     ) -> None:
         import torch
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -58,6 +64,18 @@ class Held:
         self._savers = (
             torch.autograd.graph.saved_tensors_hooks(self._saved, _unpacked) if savers else None
         )
+        # each layer's feed-forward block (None: none offered), and what its calls made, took and
+        # returned: storage keys, and the inputs' (weak ref, bytes) while they were alive
+        self.blocks = list(blocks or [])
+        self.block_made: dict[int, set[int]] = {}
+        self.block_inputs: dict[int, dict[int, tuple[Any, int]]] = {}
+        self.block_outputs: dict[int, set[int]] = {}
+        # the layers whose block wrote into a tensor it was given (Mixtral's router jitter
+        # multiplies its input in place): checkpointed alone, its saved input would have changed
+        # by the recompute, which autograd refuses
+        self.block_wrote: set[int] = set()
+        self._versions: list[list[tuple[Any, int]]] = []
+        self._in_block: list[int] = []
         self._handles: list[Any] = []
         held = self
 
@@ -79,6 +97,14 @@ class Held:
             self._handles.append(
                 layer.register_forward_hook(self._leave_layer(index), always_call=True)
             )
+        for index, block in enumerate(self.blocks):
+            if block is not None:
+                self._handles.append(
+                    block.register_forward_pre_hook(self._enter_block(index), with_kwargs=True)
+                )
+                self._handles.append(
+                    block.register_forward_hook(self._leave_block(index), always_call=True)
+                )
         self._mode.__enter__()
         if self._savers is not None:
             self._savers.__enter__()
@@ -141,6 +167,22 @@ class Held:
         )
         return self.checkpointed(index) - moved
 
+    def feed_forward_shed(self, index: int) -> int | None:
+        """What checkpointing the layer's feed-forward block alone sheds from its plain bytes
+        (gcpatch/step/feed_forward.py): what the block made that is still alive, less its
+        outputs (what outside it saves stays saved), less its inputs that died (the checkpoint
+        keeps them). None where the block did not run in the forward, or wrote into its input."""
+        if index not in self.block_inputs or index in self.block_wrote:
+            return None
+        outputs = self.block_outputs.get(index, set())
+        made = 0
+        for key in self.block_made.get(index, set()) - outputs:
+            entry = self.created.get(key)
+            if entry is not None and entry[2] == index and not entry[0].expired():
+                made += entry[1]
+        died = sum(n for ref, n in self.block_inputs[index].values() if ref.expired())
+        return made - died
+
     def _own_inputs(self, index: int) -> dict[int, tuple[Any, int]]:
         """Storage key -> (weak ref, bytes) of the inputs this forward made for this layer alone
         (not also one of its outputs, nor another layer's input)."""
@@ -186,6 +228,31 @@ class Held:
 
         return hook
 
+    def _enter_block(self, index: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            self._in_block.append(index)
+            taken = self.block_inputs.setdefault(index, {})
+            given = list(tensors(self._torch, (args, kwargs)))
+            self._versions.append([(t, _version(t)) for t in given])
+            for key in map(self._key, given):
+                entry = self.created.get(key)
+                if entry is not None and not entry[0].expired():
+                    taken[key] = (entry[0], entry[1])
+
+        return hook
+
+    def _leave_block(self, index: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if self._in_block and self._in_block[-1] == index:
+                self._in_block.pop()
+                if any(_version(t) != v for t, v in self._versions.pop()):
+                    self.block_wrote.add(index)
+            self.block_outputs.setdefault(index, set()).update(
+                k for k in map(self._key, tensors(self._torch, output)) if k
+            )
+
+        return hook
+
     def _key(self, tensor: Any) -> int | None:
         try:
             return int(tensor.untyped_storage()._cdata)
@@ -209,6 +276,10 @@ class Held:
                 self.created[key] = (self._weak(storage), nbytes, owner)
             except Exception:  # noqa: BLE001 (not counted, like a storage-less subclass)
                 continue
+            if self._in_block and self._in_block[-1] == owner:
+                self.block_made.setdefault(owner, set()).add(key)
+            else:  # a freed storage's key come again outside the block
+                self.block_made.get(owner, set()).discard(key)
             if matmul:
                 self.matmul[owner] = self.matmul.get(owner, 0) + nbytes
             if attention:
@@ -217,6 +288,15 @@ class Held:
 
 def _unpacked(tensor: Any) -> Any:
     return tensor
+
+
+def _version(tensor: Any) -> int | None:
+    """Its version counter (bumped by every in-place write), or None where it keeps none (an
+    inference tensor)."""
+    try:
+        return int(tensor._version)
+    except Exception:  # noqa: BLE001 (no counter: no write seen)
+        return None
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ A plain layer holds what it allocated and is still alive; a checkpointed one hol
 and outputs: its outputs where the next layer holds them plain too, its inputs where nothing else
 does (in bf16, a Llama layer's first op saves an fp32 copy of its input, so the plain run lets the
 input die and a checkpoint keeps it); offloaded (on an accelerator, gcpatch/step/offload.py),
-what checkpointed holds less its inputs; all read from one plain forward counted by the
+what checkpointed holds less its inputs; with its feed-forward block alone checkpointed
+(gcpatch/step/feed_forward.py), what plain holds less what the block made; all read from one plain
+forward counted by the
 instrument (gcpatch/step/held.py). Bytes are measured on one and two rows of the
 batch, at its token count and a truncated one, and fitted as a cost model of the shape
 (gcpatch/step/cost_model.py), so the measuring forwards hold at most two rows' plain activations
@@ -22,11 +24,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gcpatch.step import heap, offload, selective
+from gcpatch.step import feed_forward, heap, offload, selective
 from gcpatch.step.batch import tensors
 from gcpatch.step.cost_model import CostModel, Curve
 from gcpatch.step.held import OUTSIDE, Held
-from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD, LayerCost
+from gcpatch.step.solver import FEED_FORWARD, KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD, LayerCost
 
 
 @dataclass
@@ -74,11 +76,19 @@ def measure(
     matmul: list[dict] = [{} for _ in range(n)]
     attention: list[dict] = [{} for _ in range(n)]
     offloaded: list[dict] = [{} for _ in range(n)]
+    split: list[dict] = [{} for _ in range(n)]  # with the feed-forward block alone checkpointed
+    splits = [selective.splittable(m) for m in layers]
+    blocks = [feed_forward.block(m) if ok else None for m, ok in zip(layers, splits)]
     outside: dict = {}
     for tokens in lengths:
         for rows in sizes:
             forward = run(rows, tokens)
-            held = Held(layers, device_only=offload.accelerator(model) is not None, savers=True)
+            held = Held(
+                layers,
+                device_only=offload.accelerator(model) is not None,
+                savers=True,
+                blocks=blocks,
+            )
             with held:
                 output = forward()
             # The graph stays, what the forward returned goes: the caller decides whether to keep
@@ -94,6 +104,11 @@ def measure(
                 matmul[i][(rows, tokens)] = float(held.matmul.get(i, 0))
                 attention[i][(rows, tokens)] = float(held.attention.get(i, 0))
                 offloaded[i][(rows, tokens)] = float(held.offloaded(i))
+                shed = held.feed_forward_shed(i)
+                if shed is None:
+                    splits[i] = False  # its block did not run, or wrote into its input
+                else:
+                    split[i][(rows, tokens)] = plain[i][(rows, tokens)] - shed
             outside[(rows, tokens)] = float(alive.get(OUTSIDE, 0))
             del graph, held, forward
             heap.release()
@@ -103,7 +118,7 @@ def measure(
     seconds = _averaged(seconds, kinds, [p[timed_at] for p in plain], [c[timed_at] for c in ckpt])
     # the selective levers' costs, as shares of checkpointing whole, at the timed shape (the
     # attention kernel a shape gets, and its share of a layer, change with rows and tokens)
-    shares = selective.shares(layers, run(*timed_at))
+    shares = selective.shares(layers, run(*timed_at), splits)
     offered = [selective.available(m) for m in layers]
     offloads = [selective.offloadable(m) for m in layers]
 
@@ -119,6 +134,10 @@ def measure(
         attention_seconds=lever_seconds(shares[KEEP_ATTENTION]),
         offloaded=[Curve.fit(o) for o in offloaded],
         offloaded_seconds=lever_seconds(shares.get(OFFLOAD), offloads),
+        feed_forward=[
+            Curve.fit(f) if ok else Curve.fit(p) for f, p, ok in zip(split, plain, splits)
+        ],
+        feed_forward_seconds=lever_seconds(shares.get(FEED_FORWARD), splits),
         outside=Curve.fit(outside),
         seconds=seconds,
         timed_at=timed_at,

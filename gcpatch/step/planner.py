@@ -185,6 +185,7 @@ def _measure(
                     "checkpointed_bytes": c.checkpointed,
                     "recompute_s": c.seconds,
                     "offloaded_bytes": c.offloaded,
+                    "feed_forward_bytes": c.feed_forward,
                 }
                 for c in measured.layers
             ],
@@ -302,10 +303,12 @@ def _details(outcome: dict) -> list[str]:
         out += _levers(levers)
     for i, layer in enumerate(measured["layers"]):
         offloaded = layer.get("offloaded_bytes")
+        split = layer.get("feed_forward_bytes")
         out.append(
             f"layer {i}: {'checkpointed' if i < len(flags) and flags[i] else 'plain'}; holds "
             f"{size(layer['plain_bytes'])} plain, {size(layer['checkpointed_bytes'])} "
             "checkpointed"
+            + (f", {size(split)} with its feed-forward block alone" if split is not None else "")
             + (f", {size(offloaded)} offloaded" if offloaded is not None else "")
             + f"; recompute {layer['recompute_s'] * 1e3:.3g} ms"
         )
@@ -316,11 +319,12 @@ def _levers(levers: dict) -> list[str]:
     """What each lever between plain and whole measured, or why it was not there to choose."""
     out = []
     for lever, share in levers["shares"].items():
-        name = selective.NAMED[lever].name
+        named = selective.NAMED[lever]
+        name = named.name
         if levers["not_offered"] and lever in selective.LEVERS:
             out.append(f"{name}: not offered, {levers['not_offered']}")
         elif share is None:
-            idle = "it moved nothing" if lever == solver.OFFLOAD else "its policy kept nothing"
+            idle = "its policy kept nothing" if lever in selective.LEVERS else f"it {named.idle}"
             out.append(f"{name}: not chosen, its cost could not be told on this clock (or {idle})")
         else:
             out.append(

@@ -19,7 +19,9 @@ user's own selective checkpointing stands as given). Its cost is measured, not a
 small ops can cost more than the recompute it saves; the budget's solver then does not pick it.
 It must fire: each layer's policy counts the outputs it kept in its forwards (`Keep.kept`); a
 layer planned with it whose forward kept none falls back to whole checkpointing, said once
-(gcpatch/step/shapes.py).
+(gcpatch/step/shapes.py). A lever with no policy, the layer run plain with its feed-forward block
+alone checkpointed (gcpatch/step/feed_forward.py), is offered under the same conditions and timed
+here beside them.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import sys
 import time
 from typing import Any, Callable, NamedTuple
 
-from gcpatch.step import heap, offload, swap
+from gcpatch.step import feed_forward, heap, offload, swap
 from gcpatch.step.held import attention_ops, matmul_ops
-from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD
+from gcpatch.step.solver import FEED_FORWARD, KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD
 from gcpatch.step.swap import CONTEXT_FN
 
 # the keyword names a decoder layer's key/value cache goes by across transformers' generations
@@ -48,6 +50,7 @@ class Lever(NamedTuple):
     ops: Callable[[Any], frozenset]  # torch -> the operators whose outputs it keeps
     name: str  # in `gcpatch explain`
     says: str  # after a count of layers, in the plan's line
+    idle: str = "saved nothing"  # after its name, where it did not fire
 
 
 LEVERS = {
@@ -84,9 +87,17 @@ class Keep:
         return create_selective_checkpoint_contexts(self)
 
 
-# what the plan's line and `gcpatch explain` call offloading
-OFFLOADING = Lever(lambda torch: frozenset(), "offloading the inputs", "offloading their inputs")
-NAMED = {**LEVERS, OFFLOAD: OFFLOADING}
+# what the plan's line and `gcpatch explain` call offloading and the feed-forward block's lever
+OFFLOADING = Lever(
+    lambda torch: frozenset(), "offloading the inputs", "offloading their inputs", "moved nothing"
+)
+SPLITTING = Lever(
+    lambda torch: frozenset(),
+    "checkpointing the feed-forward block alone",
+    "checkpointing their feed-forward block alone",
+    "saw no call of the block",
+)
+NAMED = {**LEVERS, FEED_FORWARD: SPLITTING, OFFLOAD: OFFLOADING}
 
 
 def kept_text(modes: list[str]) -> str:
@@ -99,6 +110,13 @@ def kept_text(modes: list[str]) -> str:
 def available(layer: Any) -> bool:
     """Whether the layer's checkpoint function can take the policy."""
     return offered(own(getattr(layer, "_gradient_checkpointing_func", None)))
+
+
+def splittable(layer: Any) -> bool:
+    """Whether the layer can run plain with its feed-forward block alone checkpointed
+    (gcpatch/step/feed_forward.py): a block to checkpoint, under the layer's own non-reentrant
+    function without a context_fn of the user's (the selective levers' condition)."""
+    return available(layer) and feed_forward.block(layer) is not None
 
 
 def offloadable(layer: Any) -> bool:
@@ -134,9 +152,9 @@ def not_offered(layers: list[Any]) -> str | None:
 
 
 def own(func: Any) -> Any:
-    """The layer's own function where `func` is it under a lever or offloaded (a copy of a
-    planned model carries that one)."""
-    func = offload.own(func)
+    """The layer's own function where `func` is it under a lever, around its feed-forward block or
+    offloaded (a copy of a planned model carries that one)."""
+    func = feed_forward.own(offload.own(func))
     if isinstance(func, functools.partial):
         context = func.keywords.get(CONTEXT_FN)
         if isinstance(getattr(context, "__self__", None), Keep):
@@ -159,7 +177,9 @@ def switched(layers: list[Any], policies: list[Keep | None]) -> Any:
     )
 
 
-def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | None]:
+def shares(
+    layers: list[Any], forward: Callable[[], Any], split: list[bool] | None = None
+) -> dict[str, float | None]:
     """What each lever costs a step against checkpointing whole, measured on one layer (the first
     that offers them; its kind's kernels are the others'): called alone on the inputs it got in
     `forward` (the model's forward on the batch's slice, with every layer plain), its forward and
@@ -173,8 +193,11 @@ def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | N
     that outweighs the recompute saved gets a share that makes the solver pass the option over.
     None for a lever where no layer offers it, where its policy kept nothing in the warm-up round
     (it would not fire; it is not timed further), or where the clock could not tell whole
-    checkpointing from plain. On an accelerator, offloading (gcpatch/step/offload.py) is timed the
-    same way, its copies in it (a share above 1)."""
+    checkpointing from plain. The feed-forward block checkpointed alone
+    (gcpatch/step/feed_forward.py) is timed the same way where the layer has one (and `split`, the
+    measuring forward's word per layer, does not rule it out; None where the layer never called
+    it), and on an accelerator offloading (gcpatch/step/offload.py), its copies
+    in it (a share above 1)."""
     torch = sys.modules["torch"]
     out: dict[str, float | None] = dict.fromkeys(LEVERS)
     layer = next((m for m in layers if available(m) or offloadable(m)), None)
@@ -192,7 +215,13 @@ def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | N
     }
     for lever, policy in policies.items():
         modes[lever] = functools.partial(switched, [layer], [policy])
-    mover = None
+    splitter = mover = None
+    if splittable(layer) and (split is None or split[layers.index(layer)]):
+        out[FEED_FORWARD] = None
+        splitter = feed_forward.FeedForward(
+            own(layer._gradient_checkpointing_func), feed_forward.block(layer)
+        )
+        modes[FEED_FORWARD] = lambda: swap.switched([layer], [lambda _: splitter])
     if offloadable(layer):
         out[OFFLOAD] = None
         mover = offload.Offload(own(layer._gradient_checkpointing_func))
@@ -220,6 +249,8 @@ def shares(layers: list[Any], forward: Callable[[], Any]) -> dict[str, float | N
     for lever, policy in policies.items():
         if not policy.kept:
             del modes[lever]  # it would not fire: not timed
+    if splitter is not None and not splitter.ran:
+        del modes[FEED_FORWARD]
     if mover is not None and not mover.moved:
         del modes[OFFLOAD]
     if len(modes) == 2:

@@ -27,7 +27,7 @@ from typing import Any
 from gcpatch import budget as budget_mod
 from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.ranks import rank
-from gcpatch.step import offload, selective, solver
+from gcpatch.step import feed_forward, offload, selective, solver
 from gcpatch.step.batch import shape
 from gcpatch.step.cost_model import CostModel
 from gcpatch.step.training import training_forward
@@ -98,8 +98,11 @@ class ShapePlans:
             {lever: selective.keeping(f, p) for lever, p in policies.items()}
             for f, policies in zip(self.funcs, self.policies)
         ]
-        # and offloaded, where the layer offers it (gcpatch/step/offload.py)
+        # around its feed-forward block, and offloaded, where the layer offers them
+        # (gcpatch/step/feed_forward.py, gcpatch/step/offload.py)
         for m, f, funcs in zip(layers, self.funcs, self.lever_funcs):
+            if selective.splittable(m):
+                funcs[solver.FEED_FORWARD] = feed_forward.FeedForward(f, feed_forward.block(m))
             if selective.offloadable(m):
                 funcs[solver.OFFLOAD] = offload.Offload(f)
         self.misfired: set[tuple[int, str]] = set()  # (layer, lever) that did nothing
@@ -135,10 +138,10 @@ class ShapePlans:
         self.last = plan
 
     def fired(self) -> None:
-        """After the first forward that ran a plan with a selective lever (or offloading): a layer
-        planned that way whose policy kept nothing (or that moved nothing) did not do what the plan
-        assumed; it checkpoints whole from now on, said once per lever (every lever checked:
-        nothing to do, on every later step)."""
+        """After the first forward that ran a plan with a lever (or offloading): a layer planned
+        that way whose policy kept nothing (whose block never ran, that moved nothing) did not do
+        what the plan assumed; it checkpoints whole from now on, said once per lever (every lever
+        checked: nothing to do, on every later step)."""
         if not self.ran or self.last is None or len(self.checked) == len(solver.FILLED):
             return
         modes = self.last.modes
@@ -157,12 +160,12 @@ class ShapePlans:
             layers = [i for i, mode in idle if mode == lever]
             if layers:
                 log.warning(
-                    "gcpatch: rank %d budget %s: %s %s nothing in layer(s) %s%s; they checkpoint"
+                    "gcpatch: rank %d budget %s: %s %s in layer(s) %s%s; they checkpoint"
                     " whole from the next step",
                     rank(),
                     self.name,
                     selective.NAMED[lever].name,
-                    "moved" if lever == solver.OFFLOAD else "saved",
+                    selective.NAMED[lever].idle,
                     ", ".join(map(str, layers)),
                     self._why(layers, lever),
                 )
@@ -180,6 +183,9 @@ class ShapePlans:
         if mode == solver.OFFLOAD:
             wrapper = self.lever_funcs[i].get(mode)
             return wrapper is not None and wrapper.moved == 0
+        if mode == solver.FEED_FORWARD:
+            wrapper = self.lever_funcs[i].get(mode)
+            return wrapper is not None and wrapper.ran == 0
         policy = self.policies[i].get(mode)
         return policy is not None and policy.kept == 0
 

@@ -17,13 +17,15 @@ PLAIN, KEEP_MATMULS, KEEP_ATTENTION, FULL = "plain", "keep-matmuls", "keep-atten
 # checkpointed whole with its inputs in host memory (gcpatch/step/offload.py): below whole's bytes,
 # for the copies' time besides the recompute; only where the layers run on an accelerator
 OFFLOAD = "offload"
-# the selective levers between plain and whole (gcpatch/step/selective.py)
-SELECTIVE = (KEEP_ATTENTION, KEEP_MATMULS)
+# run plain with its feed-forward block alone checkpointed (gcpatch/step/feed_forward.py)
+FEED_FORWARD = "feed-forward"
+# the levers between plain and whole (gcpatch/step/selective.py, gcpatch/step/feed_forward.py)
+SELECTIVE = (KEEP_ATTENTION, KEEP_MATMULS, FEED_FORWARD)
 # the modes a group of like layers is filled with after its whole ones, in this order
 FILLED = (*SELECTIVE, OFFLOAD)
-# the modes that recompute a layer's matrix multiplies: whole (offloaded or not), and keeping only
-# the attention kernel's output (its projections and MLP run again)
-RECOMPUTES_MATMULS = (FULL, KEEP_ATTENTION, OFFLOAD)
+# the modes that recompute a layer's matrix multiplies: whole (offloaded or not), keeping only the
+# attention kernel's output (its projections and MLP run again), and its feed-forward block alone
+RECOMPUTES_MATMULS = (FULL, KEEP_ATTENTION, OFFLOAD, FEED_FORWARD)
 # Beyond this many Pareto points (distinct sums of bytes shed) the exact search is cut short, and
 # the greedy over each layer's convex hull of options is taken instead (`_greedy_cover`: within one
 # layer's recompute of the cheapest; the plan records it is not exact). Like layers give few points;
@@ -68,6 +70,9 @@ class LayerCost:
     # checkpointed whole with its inputs offloaded to host memory (gcpatch/step/offload.py)
     offloaded: float | None = None
     offloaded_seconds: float = 0.0
+    # run plain with its feed-forward block alone checkpointed (gcpatch/step/feed_forward.py)
+    feed_forward: float | None = None
+    feed_forward_seconds: float = 0.0
 
     @property
     def shed(self) -> float:
@@ -90,6 +95,7 @@ class LayerCost:
             KEEP_ATTENTION: self.attention,
             FULL: min(self.plain, self.checkpointed),
             OFFLOAD: self.offloaded,
+            FEED_FORWARD: self.feed_forward,
         }[mode] or 0.0
 
     def cost(self, mode: str) -> float:
@@ -100,14 +106,19 @@ class LayerCost:
             KEEP_ATTENTION: self.attention_seconds,
             FULL: self.seconds,
             OFFLOAD: self.offloaded_seconds,
+            FEED_FORWARD: self.feed_forward_seconds,
         }[mode]
 
     def options(self) -> list[tuple[str, float, float]]:
-        """(mode, bytes shed, seconds) of each useful way to run this layer, plain first: a
-        selective lever where it holds less than plain for less than a whole recompute, offloading
-        where it holds less than whole."""
+        """(mode, bytes shed, seconds) of each useful way to run this layer, plain first: a lever
+        between plain and whole where it holds less than plain for less than a whole recompute,
+        offloading where it holds less than whole."""
         out = [(PLAIN, 0.0, 0.0)]
-        for mode, held in ((KEEP_ATTENTION, self.attention), (KEEP_MATMULS, self.kept)):
+        for mode, held in (
+            (KEEP_ATTENTION, self.attention),
+            (KEEP_MATMULS, self.kept),
+            (FEED_FORWARD, self.feed_forward),
+        ):
             if held is not None and held < self.plain and self.cost(mode) < self.seconds:
                 out.append((mode, self.plain - held, self.cost(mode)))
         if self.shed > 0:
@@ -119,8 +130,9 @@ class LayerCost:
 
 @dataclass
 class Plan:
-    """How each layer runs (plain, checkpointed keeping its matmuls or its attention output,
-    checkpointed whole, offloaded), and what that is expected to hold and cost."""
+    """How each layer runs (plain, checkpointed keeping its matmuls or its attention output, plain
+    with its feed-forward block checkpointed, checkpointed whole, offloaded), and what that is
+    expected to hold and cost."""
 
     modes: list[str]
     limit: float  # the budget in bytes
@@ -441,6 +453,8 @@ def _groups(layers: Sequence[LayerCost]) -> dict[tuple, list[int]]:
             layer.attention_seconds,
             layer.offloaded,
             layer.offloaded_seconds,
+            layer.feed_forward,
+            layer.feed_forward_seconds,
         )
         groups.setdefault(key, []).append(i)
     return groups

@@ -7,8 +7,10 @@ Per run the script measures by itself: what the forward of the last step holds f
 flop_counter: a backward with checkpointing recomputes, so its FLOPs minus those of the backward
 without checkpointing are the recompute), every gradient against the run without checkpointing,
 how each layer runs (plain, checkpointed, checkpointed with a selective `context_fn`: the lever
-its policy names), and what share of full checkpointing's recompute is the fused attention
-kernel's forward (the part a layer keeping its attention output does not recompute).
+its policy names, or its feed-forward block alone), what share of full checkpointing's recompute
+is the fused attention kernel's forward (the part a layer keeping its attention output does not
+recompute), and what a layer run plain with its MLP alone checkpointed recomputes against a whole
+layer (every layer's MLP checkpointed by hand, as a user could write it).
 
 usage: budget_selective.py [--setup loop|lora|trainer] [--dropout 0.1]
   loop:    a training loop, `gradient_checkpointing_enable()`
@@ -27,6 +29,7 @@ prints one line: RESULT {json}
 """
 
 import argparse
+import functools
 import os
 import resource
 import warnings
@@ -70,11 +73,23 @@ def lora(model, args):
     return model
 
 
-def run(args, checkpointing: bool) -> dict:
+def mlps_by_hand(model) -> None:
+    """Every layer plain, its MLP alone checkpointed (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in decoder_layers(model):
+        forward = layer.mlp.forward
+        layer.mlp.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+
+
+def run(args, checkpointing) -> dict:
+    """`checkpointing`: True (the enable), False, or "mlps" (`mlps_by_hand`)."""
     if args.setup == "trainer":
         return trainer(args, checkpointing)
     model = build(args)
-    if checkpointing:
+    if checkpointing == "mlps":
+        mlps_by_hand(model)
+    elif checkpointing:
         kwargs = {"use_reentrant": False} if args.non_reentrant else None
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if args.setup == "lora":
@@ -103,7 +118,7 @@ def run(args, checkpointing: bool) -> dict:
     return out
 
 
-def trainer(args, checkpointing: bool) -> dict:
+def trainer(args, checkpointing) -> dict:
     """Three Trainer steps; the third's figures. The step's FLOPs stand for the backward's: its
     forward runs the same matmuls with or without checkpointing, so differences are recompute."""
     import tempfile
@@ -111,6 +126,9 @@ def trainer(args, checkpointing: bool) -> dict:
     from transformers import Trainer
 
     model = lora(build(args), args)
+    if checkpointing == "mlps":
+        mlps_by_hand(model)
+        checkpointing = False
     out = {}
 
     class Measuring(Trainer):
@@ -170,15 +188,20 @@ def attention_flops(counter) -> int:
     )
 
 
+def decoder_layers(model) -> list:
+    return [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+
+
 def modes(model) -> list[str]:
-    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
-    return [_mode(m) for m in layers]
+    return [_mode(m) for m in decoder_layers(model)]
 
 
 def _mode(layer) -> str:
     if not getattr(layer, "gradient_checkpointing", False):
         return "plain"
     func = getattr(layer, "_gradient_checkpointing_func", None)
+    if type(func).__name__ == "FeedForward":  # the layer plain, its MLP alone checkpointed
+        return "feed-forward"
     context_fn = getattr(func, "keywords", {}).get("context_fn")
     if context_fn is None:
         return "full"
@@ -201,6 +224,7 @@ def main() -> None:
         return steps(args)
     plain = run(args, checkpointing=False)
     full = run(args, checkpointing=True)
+    mlps = run(args, checkpointing="mlps")
     os.environ["GCPATCH_MEMORY_BUDGET"] = args.budget
     budget = run(args, checkpointing=True)
     os.environ.pop("GCPATCH_MEMORY_BUDGET")
@@ -214,7 +238,8 @@ def main() -> None:
             "full_held_fraction": full["held"] / plain["held"],
             "recompute_flops_share": (budget["flops"] - plain["flops"]) / full_recompute,
             "attention_flops_share": full["attention_flops"] / full_recompute,
-            # the process's peak resident memory over the three runs, MiB (Linux: KiB)
+            "feed_forward_flops_share": (mlps["flops"] - plain["flops"]) / full_recompute,
+            # the process's peak resident memory over the runs, MiB (Linux: KiB)
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "modes": budget["modes"],
             "wrong": compared["wrong"],

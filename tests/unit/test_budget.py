@@ -190,6 +190,7 @@ def _all(layer):
         "keep-attention": layer.attention,
         "full": min(layer.plain, layer.checkpointed),
         "offload": layer.offloaded,
+        "feed-forward": layer.feed_forward,
     }
     return [
         (m, layer.plain - h, layer.cost(m))
@@ -199,8 +200,9 @@ def _all(layer):
 
 
 def _exhaustive_choices(layers, outside, limit, bound=None):
-    """Over every way to run the layers (plain, keeping matmuls, keeping the attention output,
-    whole, offloaded: each layer's offered options) holding at most `limit`: the least recompute, or (with
+    """Over every way to run the layers (plain, keeping matmuls, keeping the attention output, the
+    feed-forward block alone, whole, offloaded: each layer's offered options) holding at most
+    `limit`: the least recompute, or (with
     `bound`) the least matmul recompute (whole and attention-keeping layers' seconds) among those
     costing at most `bound`. (cost, matmul, held) of the best."""
     best = None
@@ -217,18 +219,22 @@ def _exhaustive_choices(layers, outside, limit, bound=None):
 
 
 choice_st = st.builds(
-    lambda plain, ckpt, kept, attention, seconds, kept_share, attention_share, offload: LayerCost(
-        "l",
-        float(plain),
-        float(min(ckpt, plain)),
-        seconds / 10,
-        "",
-        None if kept is None else float(min(ckpt, plain) + kept),
-        seconds / 10 * kept_share,
-        None if attention is None else float(min(ckpt, plain) + attention),
-        seconds / 10 * attention_share,
-        None if offload is None else float(max(0, min(ckpt, plain) - offload[0])),
-        seconds / 10 * offload[1] if offload else 0.0,
+    lambda plain, ckpt, kept, attention, seconds, kept_share, attention_share, offload, split: (
+        LayerCost(
+            "l",
+            float(plain),
+            float(min(ckpt, plain)),
+            seconds / 10,
+            "",
+            None if kept is None else float(min(ckpt, plain) + kept),
+            seconds / 10 * kept_share,
+            None if attention is None else float(min(ckpt, plain) + attention),
+            seconds / 10 * attention_share,
+            None if offload is None else float(max(0, min(ckpt, plain) - offload[0])),
+            seconds / 10 * offload[1] if offload else 0.0,
+            feed_forward=None if split is None else float(max(0, plain - split[0])),
+            feed_forward_seconds=seconds / 10 * split[1] if split else 0.0,
+        )
     ),
     st.integers(1, 60),
     st.integers(0, 20),
@@ -239,6 +245,8 @@ choice_st = st.builds(
     st.floats(0.3, 1.2),
     # offloading: the bytes of its inputs it moves off the device, its cost over a whole layer's
     st.one_of(st.none(), st.tuples(st.integers(0, 20), st.floats(1.0, 2.0))),
+    # the feed-forward block alone: the bytes it sheds from plain, its cost over a whole layer's
+    st.one_of(st.none(), st.tuples(st.integers(0, 60), st.floats(0.0, 1.2))),
 )
 
 
@@ -255,8 +263,9 @@ repeated_st = st.lists(st.tuples(choice_st, st.integers(1, 3)), min_size=1, max_
     st.floats(0.0, 1.1),
 )
 def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, outside, fraction):
-    """A layer may also be checkpointed keeping its matmuls or its attention output (fewer bytes
-    shed, less recompute), or whole with its inputs offloaded (more bytes shed, the copies'
+    """A layer may also be checkpointed keeping its matmuls or its attention output, or run plain
+    with its feed-forward block alone checkpointed (fewer bytes shed, less recompute), or whole
+    with its inputs offloaded (more bytes shed, the copies'
     time besides): a multiple-choice knapsack, solved exactly; among the plans within SLACK of
     full checkpointing's recompute of the cheapest, the one recomputing the fewest matmuls (whole,
     offloaded and attention-keeping layers' seconds). Below the floor, each layer's fewest bytes."""

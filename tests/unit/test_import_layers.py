@@ -22,6 +22,7 @@ STEP = {
     "step.cost_model",
     "step.swap",
     "step.offload",
+    "step.feed_forward",
     "step.selective",
     "step.layer_costs",
     "step.training",

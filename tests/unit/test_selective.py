@@ -1,12 +1,15 @@
-"""The budget's finer lever (gcpatch/step/selective.py): a layer checkpointed keeping its matrix
-multiplies' outputs. On a real tiny Llama with dropout: the gradients are those without
-checkpointing, the policy really keeps outputs, and the backward recomputes no matmul; a layer
-planned with it whose policy keeps nothing falls back to whole checkpointing, said once; its cost
-is measured on one layer called alone, from the modes' medians where the clock can tell."""
+"""The budget's finer levers: a layer checkpointed keeping its matrix multiplies' outputs or its
+attention output (gcpatch/step/selective.py), or run plain with its feed-forward block alone
+checkpointed (gcpatch/step/feed_forward.py). On real tiny models with dropout (Llama, Mixtral, PEFT
+LoRA): the gradients are those without checkpointing, each lever really fires, and the backward
+recomputes what it says; a layer planned with one that does nothing falls back to whole
+checkpointing, said once; their cost is measured on one layer called alone, from the modes'
+fastest times where the clock can tell."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 
 import pytest
@@ -17,18 +20,19 @@ transformers = pytest.importorskip("transformers")
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from gcpatch.budget import parse  # noqa: E402
-from gcpatch.step import planner, selective, shapes  # noqa: E402
+from gcpatch.step import feed_forward, planner, selective, shapes  # noqa: E402
 from gcpatch.step.cost_model import CostModel, Curve  # noqa: E402
-from gcpatch.step.solver import KEEP_ATTENTION, KEEP_MATMULS  # noqa: E402
+from gcpatch.step.solver import FEED_FORWARD, KEEP_ATTENTION, KEEP_MATMULS  # noqa: E402
 
 
-def _tiny(family: str, checkpointing: bool, **config):
-    """A 2-layer model of `family` (Llama, Mixtral), hidden 32, sdpa, non-reentrant when enabled."""
+def _tiny(family: str, checkpointing: bool, layers: int = 2, **config):
+    """A model of `family` (Llama, Mixtral), 2 layers, hidden 32, sdpa, non-reentrant when
+    enabled."""
     torch.manual_seed(0)
     config = getattr(transformers, f"{family}Config")(
         vocab_size=64,
         hidden_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         use_cache=False,
@@ -107,7 +111,7 @@ def test_keeping_the_attention_output_is_exact_fires_and_recomputes_all_but_atte
     assert kept["aten.mm"] == whole["aten.mm"] > plain["aten.mm"]  # and recomputes every matmul
 
 
-def _mixtral(checkpointing: bool):
+def _mixtral(checkpointing: bool, jitter: float = 0.1):
     """A tiny MoE: 4 experts, 2 per token, attention dropout and router jitter (both random, drawn
     again in the recompute); transformers 5.x runs its experts as grouped matmuls."""
     return _tiny(
@@ -117,7 +121,7 @@ def _mixtral(checkpointing: bool):
         num_local_experts=4,
         num_experts_per_tok=2,
         attention_dropout=0.1,
-        router_jitter_noise=0.1,
+        router_jitter_noise=jitter,
     )
 
 
@@ -303,13 +307,14 @@ def test_the_share_is_measured_on_one_layer_called_alone_and_touches_no_grad():
     with FlopCounterMode(display=False):
         shares = selective.shares(layers, lambda: model(input_ids=ids))
     handle.remove()
-    # the capturing forward, the warm-up round (plain, whole, each lever), then the measured rounds
-    # without the attention lever: with dropout CPU attention is unfused, there is no kernel to
-    # keep, and a lever that kept nothing is not timed
-    rounds = (len(calls) - 5) // 3
+    # the capturing forward, the warm-up round (plain, whole, each lever, the feed-forward block
+    # alone), then the measured rounds without the attention lever: with dropout CPU attention is
+    # unfused, there is no kernel to keep, and a lever that kept nothing is not timed
+    rounds = (len(calls) - 6) // 4
     assert selective.ROUNDS <= rounds <= selective.MAX_ROUNDS
-    assert calls == [False] + [False, True, True, True] + [False, True, True] * rounds
+    assert calls == [False] + [False, True, True, True, True] + [False, True, True, True] * rounds
     assert shares[KEEP_MATMULS] is None or shares[KEEP_MATMULS] >= 0.0
+    assert shares[FEED_FORWARD] is None or shares[FEED_FORWARD] >= 0.0
     assert shares[KEEP_ATTENTION] is None
     assert all(p.grad is None for p in model.parameters())
     assert all(vars(m).get("gradient_checkpointing") is False for m in layers)
@@ -327,3 +332,234 @@ def test_a_layer_given_the_forwards_cache_is_measured_without_it():
     shares = selective.shares(layers, lambda: model(input_ids=ids, use_cache=True))
     assert all(share is None or share >= 0.0 for share in shares.values())
     assert all(p.grad is None for p in model.parameters())
+
+
+# The lever without a policy (gcpatch/step/feed_forward.py): a layer run plain, its MLP alone
+# checkpointed.
+
+
+def _split(model) -> list:
+    """Every layer planned with its feed-forward block alone checkpointed; the wrappers."""
+    wrappers = []
+    for layer in model.model.layers:
+        assert selective.splittable(layer)
+        wrappers.append(
+            feed_forward.FeedForward(layer._gradient_checkpointing_func, feed_forward.block(layer))
+        )
+        layer._gradient_checkpointing_func = wrappers[-1]
+    return wrappers
+
+
+def test_checkpointing_the_mlp_alone_is_exact_fires_and_recomputes_only_its_gate_and_up():
+    """With dropout the gradients are those without checkpointing, bit for bit; without it (CPU
+    attention one fused kernel) the backward recomputes exactly the MLP's gate and up projections
+    in each layer (its down projection's output is not needed: torch's early stop) and no
+    attention, where checkpointing whole recomputes the kernel and every projection."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain_grads, _ = _step(_llama(False), ids)
+    model = _llama(True)
+    wrappers = _split(model)
+    grads, _ = _step(model, ids)
+    assert [w.ran for w in wrappers] == [1, 1]  # one checkpointed call per layer and forward
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in plain_grads)
+    _, plain = _step(_llama(False, dropout=0.0), ids, by_op=True)
+    _, whole = _step(_llama(True, dropout=0.0), ids, by_op=True)
+    model = _llama(True, dropout=0.0)
+    _split(model)
+    _, split = _step(model, ids, by_op=True)
+    tokens, hidden, inner, layers = 2 * 16, 32, 64, 2
+    gate_and_up = layers * 2 * (2 * tokens * hidden * inner)
+    assert split["aten.mm"] == plain["aten.mm"] + gate_and_up < whole["aten.mm"]
+    kernel = "aten._scaled_dot_product_flash_attention_for_cpu"
+    assert whole[kernel] > 0 and split.get(kernel, 0) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlp_alones_figure_is_what_every_mix_with_it_holds(dtype):
+    """One plain forward gives each layer's figure with its MLP alone checkpointed (plain less
+    what the block made and keeps, gcpatch/step/held.py `Held.feed_forward_shed`): every mix of
+    plain, whole and that lever over 3 layers holds the sum of its figures, exactly where no
+    layer is whole (whole misses the 128-byte position ids every layer takes, as before)."""
+    from gcpatch.step.held import OUTSIDE, Held, held_bytes
+
+    model = _tiny("Llama", True, layers=3, intermediate_size=64, attention_dropout=0.1).to(dtype)
+    layers = list(model.model.layers)
+    own = layers[0]._gradient_checkpointing_func
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    held = Held(layers, savers=True, blocks=[feed_forward.block(m) for m in layers])
+    with held:
+        output = model(input_ids=ids, labels=ids)
+    alive = held.alive(output.logits)
+    figures = [
+        {
+            "P": alive[i],
+            "W": held.checkpointed(i),
+            "F": alive[i] - held.feed_forward_shed(i),
+        }
+        for i in range(3)
+    ]
+    del output, held
+    assert all(f["W"] < f["F"] < f["P"] for f in figures), figures
+    for mix in itertools.product("PWF", repeat=3):
+        for layer, mode in zip(layers, mix):
+            layer.gradient_checkpointing = mode != "P"
+            layer._gradient_checkpointing_func = (
+                feed_forward.FeedForward(own, layer.mlp) if mode == "F" else own
+            )
+        with held_bytes() as counted:
+            output = model(input_ids=ids, labels=ids)
+        total = counted.total(output.logits)
+        expected = alive.get(OUTSIDE, 0) + sum(f[mode] for f, mode in zip(figures, mix))
+        assert total - expected == (128 if "W" in mix else 0), (mix, total, expected)
+        output.loss.backward()
+        model.zero_grad(set_to_none=True)
+
+
+def test_checkpointing_the_moe_block_alone_is_exact_and_not_offered_where_it_writes_its_input():
+    """Mixtral's sparse MoE block is its feed-forward block: with attention dropout (drawn again
+    in the recompute), checkpointed alone, exact. Its router jitter multiplies the block's input
+    in place: checkpointed alone, that saved input would have changed by the recompute (autograd
+    refuses it in the backward), so the measuring forward that sees the write does not offer it
+    (gcpatch/step/held.py)."""
+    from gcpatch.step.held import Held
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain_grads, plain = _matmuls_in_backward(_mixtral(False, jitter=0.0), ids)
+    model = _mixtral(True, jitter=0.0)
+    wrappers = _split(model)
+    grads, split = _matmuls_in_backward(model, ids)
+    assert all(w.ran == 1 for w in wrappers)
+    assert grads.keys() == plain_grads.keys()
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in plain_grads)
+    assert len(split) > len(plain)  # the experts ran again in the backward
+    for jitter, offered in ((0.0, True), (0.1, False)):
+        model = _mixtral(False, jitter=jitter)
+        layers = list(model.model.layers)
+        held = Held(layers, blocks=[feed_forward.block(m) for m in layers])
+        with held:
+            model(input_ids=ids, labels=ids)
+        assert [held.feed_forward_shed(i) is not None for i in range(2)] == [offered] * 2
+    model = _mixtral(True, jitter=0.1)
+    _split(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _matmuls_in_backward(model, ids)  # what not offering it spares the job
+
+
+def test_checkpointing_the_mlp_alone_under_peft_lora_is_exact():
+    """LoRA on the MLP's projections, with LoRA dropout (drawn again in the recompute)."""
+    peft = pytest.importorskip("peft")
+
+    def lora(checkpointing):
+        model = peft.get_peft_model(
+            _llama(checkpointing),
+            peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"], lora_dropout=0.1),
+        )
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param)  # B starts at zero: no gradient reaches A
+        return model
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    plain = lora(False)
+    torch.manual_seed(5)
+    model = lora(True)
+    wrappers = _split(model.base_model.model)
+
+    def grads(m):
+        torch.manual_seed(7)
+        m(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    expected, got = grads(plain), grads(model)
+    assert all(w.ran == 1 for w in wrappers) and len(got) == 8  # A and B, 2 modules, 2 layers
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_the_recompute_calls_the_block_through_its_hooks_and_another_tools_forward_stays():
+    """The recompute goes through the block's `__call__`, as a whole layer's does (a ZeRO-3 block
+    gathers its parameters in a pre-hook); a `forward` another tool set on the block (accelerate's
+    hooks) is the one checkpointed, and is back afterwards."""
+    model = _llama(True)
+    _split(model)
+    block = model.model.layers[0].mlp
+    calls, theirs = [], block.forward
+
+    def tools_forward(*args, **kwargs):
+        calls.append("forward")
+        return theirs(*args, **kwargs)
+
+    block.forward = tools_forward
+    block.register_forward_pre_hook(lambda module, args: calls.append("pre-hook"))
+    ids = torch.randint(0, 64, (2, 16))
+    loss = model(input_ids=ids, labels=ids).loss
+    assert calls == ["pre-hook", "forward"] and vars(block)["forward"] is tools_forward
+    loss.backward()
+    assert calls == ["pre-hook", "forward"] * 2  # the recompute, through the hook
+    del vars(block)["forward"]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert "forward" not in vars(block)  # none set: none left behind
+
+
+def test_the_mlp_alone_is_offered_where_the_selective_levers_are_and_a_block_is():
+    model = _llama(True)
+    layer = model.model.layers[0]
+    assert feed_forward.block(layer) is layer.mlp and selective.splittable(layer)
+    for own in (
+        functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, context_fn=id),
+        functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True),
+    ):
+        layer._gradient_checkpointing_func = own
+        assert not selective.splittable(layer)  # a user's context_fn; reentrant
+    opt = _tiny_opt()
+    assert all(feed_forward.block(m) is None for m in opt.model.decoder.layers)  # fc1, fc2 inline
+    assert not any(selective.splittable(m) for m in opt.model.decoder.layers)
+
+
+def _tiny_opt():
+    config = transformers.OPTConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4
+    )
+    model = transformers.OPTForCausalLM(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def test_a_layer_that_never_calls_its_block_checkpoints_whole_from_the_next_step(caplog):
+    flat = functools.partial(Curve, row_b=0.0, fixed_a=0.0, fixed_b=0.0, t_max=16.0)
+    costs = _costs(2)
+    # 50 of 100 bytes held with the block alone checkpointed, for 5 of 100 s of recompute
+    costs.feed_forward = [flat(row_a=50 / 16, row_at_max=50.0, fixed_at_max=0.0)] * 2
+    costs.feed_forward_seconds = [0.05] * 2
+    costs.kept_seconds = None  # keeping the matmuls not offered: it would be the plan
+    model = _llama(True)
+    layers = list(model.model.layers)
+    plans = shapes.ShapePlans(model, layers, costs, parse("0.5"), "LlamaForCausalLM")
+    plans.lever_funcs[1][FEED_FORWARD].block = torch.nn.Linear(1, 1)  # a block never called
+    first = plans.plan_for(1, 16)
+    assert first.modes == ["feed-forward", "feed-forward"]
+    plans.apply(first)
+    plans.ran = True
+    ids = torch.randint(0, 64, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    with caplog.at_level(logging.WARNING, logger="gcpatch"):
+        plans.fired()
+    [line] = [r.getMessage() for r in caplog.records if "block alone" in r.getMessage()]
+    assert (
+        "checkpointing the feed-forward block alone saw no call of the block in layer(s) 1;"
+        " they checkpoint whole from the next step" in line
+    ), line
+    again = plans.plan_for(1, 16)
+    assert again.modes[0] == "feed-forward" and again.modes[1] != "feed-forward"
+    assert plans.misfired == {(1, FEED_FORWARD)}
+    plans.apply(again)
+    assert not isinstance(layers[1]._gradient_checkpointing_func, feed_forward.FeedForward)
+    explained = planner._levers(
+        {"shares": {KEEP_MATMULS: 0.19, FEED_FORWARD: None}, "not_offered": None}
+    )
+    assert explained[1] == (
+        "checkpointing the feed-forward block alone: not chosen, its cost could not be told on"
+        " this clock (or it saw no call of the block)"
+    )
