@@ -2,7 +2,7 @@
 activation bytes one step holds, the matmul FLOPs its backward recomputes and its step time for
   gcpatch    the plan gcpatch chose for the budget (the real path: the variable set, the user's
              enable), per layer plain, checkpointed keeping its matmuls or its attention output,
-             or checkpointed whole
+             plain with its MLP alone checkpointed, or checkpointed whole
   full       every layer checkpointed (`gradient_checkpointing_enable()` without gcpatch's budget)
   every_n    the best `every_n_layers` by hand: the largest n whose step meets the budget (n=1 if none)
   selective  torch's selective checkpointing by hand on every layer: a `context_fn` from

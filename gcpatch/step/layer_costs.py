@@ -7,9 +7,8 @@ does (in bf16, a Llama layer's first op saves an fp32 copy of its input, so the 
 input die and a checkpoint keeps it); offloaded (on an accelerator, gcpatch/step/offload.py),
 what checkpointed holds less its inputs; with its feed-forward block alone checkpointed
 (gcpatch/step/feed_forward.py), what plain holds less what the block made; all read from one plain
-forward counted by the
-instrument (gcpatch/step/held.py). Bytes are measured on one and two rows of the
-batch, at its token count and a truncated one, and fitted as a cost model of the shape
+forward counted by the instrument (gcpatch/step/held.py). Bytes are measured on one and two rows
+of the batch, at its token count and a truncated one, and fitted as a cost model of the shape
 (gcpatch/step/cost_model.py), so the measuring forwards hold at most two rows' plain activations
 (a batch of one or two rows is measured whole, as it would run plain) and every later shape is
 planned without measuring again. Seconds are timed on a separate pass without the instrument, and

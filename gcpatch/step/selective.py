@@ -194,10 +194,10 @@ def shares(
     None for a lever where no layer offers it, where its policy kept nothing in the warm-up round
     (it would not fire; it is not timed further), or where the clock could not tell whole
     checkpointing from plain. The feed-forward block checkpointed alone
-    (gcpatch/step/feed_forward.py) is timed the same way where the layer has one (and `split`, the
-    measuring forward's word per layer, does not rule it out; None where the layer never called
-    it), and on an accelerator offloading (gcpatch/step/offload.py), its copies
-    in it (a share above 1)."""
+    (gcpatch/step/feed_forward.py) is timed the same way where the layer has one and `split` (the
+    measuring forward's word per layer) does not rule it out (None where the layer never called
+    it), and on an accelerator offloading (gcpatch/step/offload.py), its copies in it (a share
+    above 1)."""
     torch = sys.modules["torch"]
     out: dict[str, float | None] = dict.fromkeys(LEVERS)
     layer = next((m for m in layers if available(m) or offloadable(m)), None)

@@ -563,3 +563,84 @@ def test_a_layer_that_never_calls_its_block_checkpoints_whole_from_the_next_step
         "checkpointing the feed-forward block alone: not chosen, its cost could not be told on"
         " this clock (or it saw no call of the block)"
     )
+
+
+# families and the name of their feed-forward block; the config keywords each needs at hidden 32
+FAMILIES = {
+    "Qwen2": ({}, "Qwen2MLP"),
+    "Gemma2": ({"head_dim": 8}, "Gemma2MLP"),
+    "Phi3": ({"pad_token_id": 0}, "Phi3MLP"),
+    "GPTNeoX": ({}, "GPTNeoXMLP"),
+    "Falcon": ({}, "FalconMLP"),
+    "Qwen2Moe": (
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+        "Qwen2MoeSparseMoeBlock",
+    ),
+    "GPT2": ({"n_embd": 32, "n_layer": 2, "n_head": 4}, "GPT2MLP"),
+}
+
+
+def _family(family: str, checkpointing: bool):
+    """A tiny 2-layer model of `family` with every dropout its config has at 0.1."""
+    extra, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    shape = {"vocab_size": 64, "use_cache": False}
+    if family != "GPT2":
+        shape.update(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+        )
+    config = getattr(transformers, f"{family}Config")(**shape, **extra)
+    for name in ("attention_dropout", "attn_pdrop", "hidden_dropout", "resid_pdrop"):
+        if hasattr(config, name):
+            setattr(config, name, 0.1)
+    head = getattr(transformers, f"{family}ForCausalLM", None)
+    model = (head or getattr(transformers, f"{family}LMHeadModel"))(config).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _decoder_layers(model) -> list:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_mlp_alone_is_found_measured_and_exact_across_families(family):
+    """The block by its name in each family (GPT-2's MLP carries its own residual dropout, drawn
+    again in the recompute); the measuring forward sees each block's bytes."""
+    from gcpatch.step.held import Held
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def grads(model):
+        torch.manual_seed(7)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    expected = grads(_family(family, False))
+    model = _family(family, True)
+    layers = _decoder_layers(model)
+    assert [type(feed_forward.block(m)).__name__ for m in layers] == [FAMILIES[family][1]] * 2
+    wrappers = []
+    for layer in layers:
+        assert selective.splittable(layer)
+        wrappers.append(
+            feed_forward.FeedForward(layer._gradient_checkpointing_func, feed_forward.block(layer))
+        )
+        layer._gradient_checkpointing_func = wrappers[-1]
+    got = grads(model)
+    assert [w.ran for w in wrappers] == [1, 1]
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    plain = _family(family, False)
+    layers = _decoder_layers(plain)
+    held = Held(layers, blocks=[feed_forward.block(m) for m in layers])
+    with held:
+        output = plain(input_ids=ids, labels=ids)  # its graph holds what the backward needs
+    assert all(held.feed_forward_shed(i) > 0 for i in range(2)), output.loss
