@@ -54,26 +54,33 @@ def build():
 
 
 def modes_of(layers) -> list[str]:
-    """How each layer runs: plain, whole, or under a lever's policy (its name)."""
+    """How each layer runs: plain, whole, around its MLP alone, or under a lever's policy (its
+    name)."""
+    from gcpatch.step import feed_forward
+
     out = []
     for m in layers:
         func = getattr(m, "_gradient_checkpointing_func", None)
         context = getattr(func, "keywords", {}).get("context_fn")
         if not m.gradient_checkpointing:
             out.append("plain")
+        elif isinstance(func, feed_forward.FeedForward):
+            out.append("feed-forward")
         else:
             out.append(getattr(getattr(context, "__self__", None), "lever", "full"))
     return out
 
 
 def set_plan(layers, own, modes) -> None:
-    from gcpatch.step import selective
+    from gcpatch.step import feed_forward, selective
 
     for m, func, mode in zip(layers, own, modes):
         m.gradient_checkpointing = mode != "plain"
-        m._gradient_checkpointing_func = (
-            selective.keeping(func, selective.Keep(mode)) if mode in selective.LEVERS else func
-        )
+        if mode in selective.LEVERS:
+            func = selective.keeping(func, selective.Keep(mode))
+        elif mode == "feed-forward":
+            func = feed_forward.FeedForward(func, feed_forward.block(m))
+        m._gradient_checkpointing_func = func
 
 
 def seconds(model, ids, seed: int) -> float:
@@ -142,7 +149,8 @@ def write(plans, times, figures, rounds) -> None:
         f"{torch.__version__}, {torch.get_num_threads()} thread(s), CPU). See the script's "
         "docstring. bytes: the forward's held bytes / no checkpointing's; FLOPs: matmul FLOPs "
         "recomputed / full checkpointing's; time: median step thread time / no checkpointing's; "
-        "overhead: its excess / full checkpointing's.",
+        "overhead: its excess / full checkpointing's. layers: `W` whole, `K` keeping the matmuls, "
+        "`P` plain, `F` (where any) plain with the MLP alone checkpointed.",
         "",
         "| plan | layers | bytes | FLOPs | time | overhead |",
         "|---|---|---|---|---|---|",
@@ -150,9 +158,11 @@ def write(plans, times, figures, rounds) -> None:
     for name, modes in plans.items():
         nbytes, flops = figures[name]
         over = statistics.median(times[name]) / plain_s - 1
+        letters = (("full", "W"), ("keep-matmuls", "K"), ("plain", "P"), ("feed-forward", "F"))
         counted = " ".join(
             f"{modes.count(m)}{letter}"
-            for m, letter in (("full", "W"), ("keep-matmuls", "K"), ("plain", "P"))
+            for m, letter in letters
+            if m != "feed-forward" or m in modes
         )
         lines.append(
             f"| {name} | {counted} | {nbytes / plain_bytes:.3f} | "

@@ -644,3 +644,31 @@ def test_the_mlp_alone_is_found_measured_and_exact_across_families(family):
     with held:
         output = plain(input_ids=ids, labels=ids)  # its graph holds what the backward needs
     assert all(held.feed_forward_shed(i) > 0 for i in range(2)), output.loss
+
+
+def test_explain_gives_each_layers_bytes_with_its_feed_forward_block_alone():
+    """`gcpatch explain` reads the measured figures from the record: per layer, what it holds
+    plain, whole, and with its block alone checkpointed where it has one."""
+    layer = {"plain_bytes": 100 * 2**20, "checkpointed_bytes": 8 * 2**20, "recompute_s": 0.02}
+    outcome = {
+        "flags": [True, True],
+        "measured": {
+            "rows": [1, 2],
+            "tokens": [512, 1024],
+            "batch": 2,
+            "seconds": 1.5,
+            "outside_bytes": 2**20,
+            "levers": {"shares": {KEEP_MATMULS: 0.2, FEED_FORWARD: 0.18}, "not_offered": None},
+            "layers": [{**layer, "feed_forward_bytes": 47 * 2**20}, layer],
+        },
+    }
+    lines = planner._details(outcome)
+    assert lines[2] == (
+        "checkpointing the feed-forward block alone: costs 0.18 of a whole layer's recompute"
+        " (measured on one layer)"
+    )
+    assert lines[3] == (
+        "layer 0: checkpointed; holds 100 MiB plain, 8 MiB checkpointed, 47 MiB with its"
+        " feed-forward block alone; recompute 20 ms"
+    )
+    assert "feed-forward" not in lines[4]
