@@ -120,10 +120,10 @@ class CostModel:
             at = plain(*self.timed_at)
             scale = p / at if at > 0 else (rows * tokens) / (self.timed_at[0] * self.timed_at[1])
             kind = self.kinds[i] if i < len(self.kinds) else ""
-            kept, kept_s = _lever(*self.lever(KEEP_MATMULS), i, rows, tokens, p, c, scale)
-            att, att_s = _lever(*self.lever(KEEP_ATTENTION), i, rows, tokens, p, c, scale)
-            off, off_s = _held(*self.lever(OFFLOAD), i, rows, tokens, c, scale)
-            ff, ff_s = _held(*self.lever(FEED_FORWARD), i, rows, tokens, p, scale)
+            kept, kept_s = _lever(*self.lever(KEEP_MATMULS), i, rows, tokens, p, scale, c)
+            att, att_s = _lever(*self.lever(KEEP_ATTENTION), i, rows, tokens, p, scale, c)
+            off, off_s = _lever(*self.lever(OFFLOAD), i, rows, tokens, c, scale)
+            ff, ff_s = _lever(*self.lever(FEED_FORWARD), i, rows, tokens, p, scale)
             out.append(
                 LayerCost(
                     f"{i}",
@@ -200,39 +200,23 @@ class CostModel:
 
 
 def _lever(
-    kept: list[Curve] | None,
-    seconds: list[float | None] | None,
-    i: int,
-    rows: int,
-    tokens: int,
-    plain: float,
-    checkpointed: float,
-    scale: float,
-) -> tuple[float | None, float]:
-    """A selective lever's bytes held (the layer's outputs and what it keeps, never above plain)
-    and seconds at this shape, or (None, 0) where the layer does not offer it."""
-    measured = seconds[i] if seconds else None
-    if kept is None or measured is None:
-        return None, 0.0
-    return min(plain, checkpointed + kept[i](rows, tokens)), measured * scale
-
-
-def _held(
-    held: list[Curve] | None,
+    curves: list[Curve] | None,
     seconds: list[float | None] | None,
     i: int,
     rows: int,
     tokens: int,
     most: float,
     scale: float,
+    base: float = 0.0,
 ) -> tuple[float | None, float]:
-    """A lever measured by what the layer holds under it (offloaded: never above whole; the
-    feed-forward block alone: never above plain) and its seconds at this shape, or (None, 0)
-    where the layer does not offer it."""
+    """A lever's bytes held at this shape (`base` plus its curve, never above `most`) and its
+    seconds, or (None, 0) where the layer does not offer it. A selective lever's curve is what it
+    keeps beside the layer's outputs (base: whole's bytes; most: plain's); offloading's and the
+    feed-forward block's are what the layer holds (most: whole's and plain's)."""
     measured = seconds[i] if seconds else None
-    if held is None or measured is None:
+    if curves is None or measured is None:
         return None, 0.0
-    return min(held[i](rows, tokens), most), measured * scale
+    return min(most, base + curves[i](rows, tokens)), measured * scale
 
 
 def _curves(curves: list[Curve] | None) -> list[dict] | None:
