@@ -28,6 +28,7 @@ VARIABLES = (
     "GCPATCH_LOG",
     "GCPATCH_VERIFY",
     "GCPATCH_MEMORY_BUDGET",
+    "GCPATCH_BUDGET_LEVERS",
     "GCPATCH_LOCAL_PLUGINS",
     "GCPATCH_PLUGIN_TIMEOUT_S",
 )
@@ -201,6 +202,21 @@ def _memory_budget(raw: str) -> object:
 def memory_budget() -> object:
     """GCPATCH_MEMORY_BUDGET alone (what `read()` gives as `memory_budget`)."""
     return _guarded("GCPATCH_MEMORY_BUDGET", _memory_budget, None, _NO_BUDGET)
+
+
+def budget_levers() -> bool:
+    """GCPATCH_BUDGET_LEVERS: `all` (the default) lets the budget's plan use every lever between
+    plain and whole a layer offers; `whole` keeps it to whole layers, chosen by bytes and the
+    layers' recompute alone (the levers' costs are read off a clock at the first step, so a plan
+    with them can differ from run to run)."""
+
+    def parse(raw: str) -> bool:
+        value = raw.strip().lower()
+        if value not in ("all", "whole"):
+            _bad("GCPATCH_BUDGET_LEVERS", raw, "neither all nor whole", "every lever, as with all")
+        return value != "whole"
+
+    return _guarded("GCPATCH_BUDGET_LEVERS", parse, True, "every lever")
 
 
 def local_plugins() -> bool:

@@ -3,7 +3,10 @@ sequence 64) trained two steps per budget, in a plain loop, under the Trainer, u
 under DDP. The script measures by itself what each forward holds for the backward, counts the layers
 its backward recomputes and compares every gradient with the run without checkpointing. The plan is
 made once the first step's forward has returned (that step runs fully checkpointed, within any
-budget above the floor) and holds from the second step on, which is what is checked here."""
+budget above the floor) and holds from the second step on, which is what is checked here. The
+plans are of whole layers (GCPATCH_BUDGET_LEVERS=whole): which layers recompute, and how often,
+is what these runs count; the levers between plain and whole, whose costs a clock decides, are
+integration/test_budget_selective.py's."""
 
 from __future__ import annotations
 
@@ -14,8 +17,14 @@ from _run import Spec
 SCRIPT = "budget_train.py"
 BUDGETS = "0.6,0.25,0.01,unset"
 TOLERANCE = 0.05
-LOOP = Spec(SCRIPT, ("--setup", "loop", "--budgets", BUDGETS), env=(("GCPATCH_VERIFY", "1"),))
-DDP = Spec("budget_ddp.py", env=(("GCPATCH_MEMORY_BUDGET", "0.6"),), launcher="torchrun2")
+WHOLE = {"GCPATCH_BUDGET_LEVERS": "whole"}
+LOOP = Spec(
+    SCRIPT,
+    ("--setup", "loop", "--budgets", BUDGETS),
+    env=(("GCPATCH_VERIFY", "1"), *WHOLE.items()),
+)
+DDP_ENV = {"GCPATCH_MEMORY_BUDGET": "0.6", **WHOLE}
+DDP = Spec("budget_ddp.py", env=tuple(DDP_ENV.items()), launcher="torchrun2")
 # rank 0's and rank 1's token counts per step: different within a step and from step to step
 LENGTHS = "64:64,128:32,256:64,32:128"
 DDP_SIZE = "8000000B"
@@ -37,9 +46,9 @@ def _run(script_runs, setup: str):
             "--budgets",
             BUDGETS,
             gcpatch=True,
-            env={"GCPATCH_VERIFY": "1"},
+            env={"GCPATCH_VERIFY": "1", **WHOLE},
         )
-    return script_runs.get(SCRIPT, "--setup", setup, "--budgets", BUDGETS, gcpatch=True)
+    return script_runs.get(SCRIPT, "--setup", setup, "--budgets", BUDGETS, gcpatch=True, env=WHOLE)
 
 
 def _budget_lines(run) -> list[str]:
@@ -146,9 +155,7 @@ def test_unset_changes_nothing(script_runs):
 
 @pytest.mark.distributed
 def test_ddp_ranks_run_rank_0s_plan(script_runs):
-    run = script_runs.get(
-        "budget_ddp.py", gcpatch=True, env={"GCPATCH_MEMORY_BUDGET": "0.6"}, launcher="torchrun2"
-    )
+    run = script_runs.get("budget_ddp.py", gcpatch=True, env=DDP_ENV, launcher="torchrun2")
     plain = script_runs.get("budget_ddp.py", gcpatch=False, launcher="torchrun2")
     assert [r["rank"] for r in run.results] == [0, 1]
     for rank, result in enumerate(run.results):

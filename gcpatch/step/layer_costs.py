@@ -29,6 +29,9 @@ from gcpatch.step.cost_model import CostModel, Curve
 from gcpatch.step.held import OUTSIDE, Held
 from gcpatch.step.solver import FEED_FORWARD, KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD, LayerCost
 
+# why no lever was offered where the user asked for whole layers alone
+WHOLE_ASKED = "GCPATCH_BUDGET_LEVERS=whole asks for whole layers alone"
+
 
 @dataclass
 class Measured:
@@ -59,12 +62,14 @@ def measure(
     shape: tuple[int, int],
     kinds: list[str],
     token_lengths: list[int] | None = None,
+    levers: bool = True,
 ) -> Measured:
     """`run(rows, tokens)` cuts the batch to its first `rows` rows and `tokens` tokens and returns
     the forward on them, which runs with every layer plain and returns its output (the cut is made
     before counting starts: the new leaves are not the forward's to hold); the caller owns RNG,
     flags and hooks (gcpatch/step/planner.py). `token_lengths`: the token counts to measure (the
-    batch's own last); one count: tokens are not measured, only rows."""
+    batch's own last); one count: tokens are not measured, only rows. Without `levers`
+    (GCPATCH_BUDGET_LEVERS=whole) no lever is measured or offered: whole layers only."""
     start = time.perf_counter()
     batch, full_tokens = shape
     sizes = [1] if batch <= 1 else [1, 2]
@@ -76,7 +81,7 @@ def measure(
     attention: list[dict] = [{} for _ in range(n)]
     offloaded: list[dict] = [{} for _ in range(n)]
     split: list[dict] = [{} for _ in range(n)]  # with the feed-forward block alone checkpointed
-    splits = [selective.splittable(m) for m in layers]
+    splits = [levers and selective.splittable(m) for m in layers]
     blocks = [feed_forward.block(m) if ok else None for m, ok in zip(layers, splits)]
     outside: dict = {}
     for tokens in lengths:
@@ -117,9 +122,13 @@ def measure(
     seconds = _averaged(seconds, kinds, [p[timed_at] for p in plain], [c[timed_at] for c in ckpt])
     # the selective levers' costs, as shares of checkpointing whole, at the timed shape (the
     # attention kernel a shape gets, and its share of a layer, change with rows and tokens)
-    shares = selective.shares(layers, run(*timed_at), splits)
-    offered = [selective.available(m) for m in layers]
-    offloads = [selective.offloadable(m) for m in layers]
+    shares = (
+        selective.shares(layers, run(*timed_at), splits)
+        if levers
+        else dict.fromkeys(selective.LEVERS)
+    )
+    offered = [levers and selective.available(m) for m in layers]
+    offloads = [levers and selective.offloadable(m) for m in layers]
 
     def lever_seconds(share: float | None, offered: list[bool] = offered) -> list[float | None]:
         return [s * share if share is not None and ok else None for s, ok in zip(seconds, offered)]
@@ -154,7 +163,7 @@ def measure(
         batch=batch,
         seconds=time.perf_counter() - start,
         shares=shares,
-        not_offered=selective.not_offered(layers),
+        not_offered=selective.not_offered(layers) if levers else WHOLE_ASKED,
     )
 
 

@@ -160,15 +160,16 @@ def _measure(
 
     kinds = [type(m).__name__ for m in layers]
     lengths = [tokens // 2, tokens] if tokens >= 4 else [tokens]
+    levers = settings.budget_levers()
     note = ""
     with invisible.gcpatch_pass(torch, module), _all_plain(layers):
         try:
-            measured = layer_costs.measure(module, layers, run, found, kinds, lengths)
+            measured = layer_costs.measure(module, layers, run, found, kinds, lengths, levers)
         except Exception as exc:  # noqa: BLE001 (a model the truncated batch does not fit)
             if len(lengths) == 1:
                 raise
             note = f"tokens not measured ({type(exc).__name__}: {exc}), taken as proportional"
-            measured = layer_costs.measure(module, layers, run, found, kinds, [tokens])
+            measured = layer_costs.measure(module, layers, run, found, kinds, [tokens], levers)
     return {
         "cost_model": measured.model.to_dict(),
         "measured": {

@@ -52,7 +52,14 @@ def _lines(stderr: str) -> list[str]:
 
 
 def test_a_reactivation_decides_plans_and_verifies_as_a_fresh_process(tmp_path):
-    env = {"GCPATCH": "1", "GCPATCH_VERIFY": "1", "GCPATCH_MEMORY_BUDGET": "0.5"}
+    # whole layers alone: a lever's cost is read off the clock at the first step, so two processes
+    # could each take another plan
+    env = {
+        "GCPATCH": "1",
+        "GCPATCH_VERIFY": "1",
+        "GCPATCH_MEMORY_BUDGET": "0.5",
+        "GCPATCH_BUDGET_LEVERS": "whole",
+    }
     fresh = run_python(SCRIPT, tmp_path, **env)
     again = run_python(SCRIPT, tmp_path, REACTIVATE="1", **env)
     first, second = result_of(fresh), result_of(again)

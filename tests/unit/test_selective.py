@@ -672,3 +672,38 @@ def test_explain_gives_each_layers_bytes_with_its_feed_forward_block_alone():
         " feed-forward block alone; recompute 20 ms"
     )
     assert "feed-forward" not in lines[4]
+
+
+def test_whole_layers_alone_when_the_user_asks_and_a_bad_value_is_said(monkeypatch, capsys):
+    """GCPATCH_BUDGET_LEVERS=whole: no lever measured or offered (plans of whole layers, the same
+    on every run); `all` is the default; any other value is said once and taken as `all`."""
+    from gcpatch import settings
+    from gcpatch.step import layer_costs
+
+    model = _llama(True, dropout=0.0)
+    layers = list(model.model.layers)
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    ids = torch.randint(0, 64, (2, 16))
+
+    def run(rows, tokens):
+        return lambda: model(input_ids=ids[:rows, :tokens], labels=ids[:rows, :tokens])
+
+    kinds = ["LlamaDecoderLayer"] * 2
+    whole = layer_costs.measure(model, layers, run, (2, 16), kinds, levers=False)
+    assert whole.shares == {KEEP_MATMULS: None, KEEP_ATTENTION: None}
+    assert whole.not_offered == layer_costs.WHOLE_ASKED
+    assert all(c.kept is None and c.attention is None for c in whole.layers)
+    assert all(c.feed_forward is None and c.offloaded is None for c in whole.layers)
+    every = layer_costs.measure(model, layers, run, (2, 16), kinds)
+    assert FEED_FORWARD in every.shares and every.not_offered is None
+    for raw, expected in ((None, True), ("whole", False), (" ALL ", True), ("halves", True)):
+        if raw is None:
+            monkeypatch.delenv("GCPATCH_BUDGET_LEVERS", raising=False)
+        else:
+            monkeypatch.setenv("GCPATCH_BUDGET_LEVERS", raw)
+        assert settings.budget_levers() is expected
+    said = [line for line in capsys.readouterr().err.splitlines() if "BUDGET_LEVERS" in line]
+    assert said == [
+        "gcpatch: GCPATCH_BUDGET_LEVERS='halves' is neither all nor whole; every lever, as with all"
+    ]
