@@ -108,7 +108,7 @@ class CostModel:
     offloaded_seconds: list[float | None] | None = None
     # plain with its feed-forward block alone checkpointed (gcpatch/step/feed_forward.py): bytes
     # held and seconds at `timed_at` (None: not offered on that layer)
-    feed_forward: list[Curve] | None = None
+    feed_forward: list[Curve | None] | None = None
     feed_forward_seconds: list[float | None] | None = None
 
     def layers(self, rows: int, tokens: int) -> tuple[list[LayerCost], float]:
@@ -143,7 +143,7 @@ class CostModel:
             )
         return out, self.outside(rows, tokens)
 
-    def lever(self, lever: str) -> tuple[list[Curve] | None, list[float | None] | None]:
+    def lever(self, lever: str) -> tuple[list[Curve | None] | None, list[float | None] | None]:
         """A lever's fitted bytes (kept, or held offloaded or with the feed-forward block alone
         checkpointed) and measured seconds, per layer."""
         return {
@@ -200,7 +200,7 @@ class CostModel:
 
 
 def _lever(
-    curves: list[Curve] | None,
+    curves: list[Curve | None] | None,
     seconds: list[float | None] | None,
     i: int,
     rows: int,
@@ -214,14 +214,16 @@ def _lever(
     keeps beside the layer's outputs (base: whole's bytes; most: plain's); offloading's and the
     feed-forward block's are what the layer holds (most: whole's and plain's)."""
     measured = seconds[i] if seconds else None
-    if curves is None or measured is None:
+    curve = curves[i] if curves else None
+    if curve is None or measured is None:
         return None, 0.0
-    return min(most, base + curves[i](rows, tokens)), measured * scale
+    return min(most, base + curve(rows, tokens)), measured * scale
 
 
-def _curves(curves: list[Curve] | None) -> list[dict] | None:
-    return [asdict(c) for c in curves] if curves is not None else None
+def _curves(curves: list[Curve | None] | None) -> list[dict | None] | None:
+    """Serialized curves; a layer without the lever stays None."""
+    return [asdict(c) if c else None for c in curves] if curves is not None else None
 
 
-def _read_curves(data: list[dict] | None) -> list[Curve] | None:
-    return [Curve(**c) for c in data] if data else None
+def _read_curves(data: list[dict | None] | None) -> list[Curve | None] | None:
+    return [Curve(**c) if c else None for c in data] if data else None

@@ -210,13 +210,20 @@ class Held:
     def _enter_layer(self, index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
             self._stack.append(index)
-            made = self.inputs.setdefault(index, {})
-            for key in map(self._key, tensors(self._torch, (args, kwargs))):
-                entry = self.created.get(key)  # read now: a freed storage's key can come again
-                if entry is not None and not entry[0].expired():
-                    made[key] = (entry[0], entry[1])
+            given = tensors(self._torch, (args, kwargs))
+            self.inputs.setdefault(index, {}).update(self._made_here(given))
 
         return hook
+
+    def _made_here(self, given: Any) -> dict[int, tuple[Any, int]]:
+        """Storage key -> (weak ref, bytes) of the tensors in `given` that this forward made and
+        are alive, read at the call: a freed storage's key can come again."""
+        out = {}
+        for key in map(self._key, given):
+            entry = self.created.get(key)
+            if entry is not None and not entry[0].expired():
+                out[key] = (entry[0], entry[1])
+        return out
 
     def _leave_layer(self, index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, output: Any) -> None:
@@ -231,13 +238,9 @@ class Held:
     def _enter_block(self, index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
             self._in_block.append(index)
-            taken = self.block_inputs.setdefault(index, {})
             given = list(tensors(self._torch, (args, kwargs)))
             self._versions.append([(t, _version(t)) for t in given])
-            for key in map(self._key, given):
-                entry = self.created.get(key)
-                if entry is not None and not entry[0].expired():
-                    taken[key] = (entry[0], entry[1])
+            self.block_inputs.setdefault(index, {}).update(self._made_here(given))
 
         return hook
 

@@ -142,9 +142,7 @@ def measure(
         attention_seconds=lever_seconds(shares[KEEP_ATTENTION]),
         offloaded=[Curve.fit(o) for o in offloaded],
         offloaded_seconds=lever_seconds(shares.get(OFFLOAD), offloads),
-        feed_forward=[
-            Curve.fit(f) if ok else Curve.fit(p) for f, p, ok in zip(split, plain, splits)
-        ],
+        feed_forward=[Curve.fit(f) if ok else None for f, ok in zip(split, splits)],
         feed_forward_seconds=lever_seconds(shares.get(FEED_FORWARD), splits),
         outside=Curve.fit(outside),
         seconds=seconds,
