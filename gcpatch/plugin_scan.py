@@ -5,7 +5,8 @@ A directory on sys.path is listed with `os.scandir`, and only a distribution who
 entry_points.txt names the group is handed to importlib.metadata: listing, naming and reading every
 distribution through importlib.metadata cost about 2.5 ms in a venv of 64 distributions
 (benchmarks/IMPORT_COST.md). Anything else on sys.path (a zip, an egg) is listed by
-importlib.metadata. Names are normalized and the first of duplicates on sys.path is kept, as
+importlib.metadata, and so is what a finder of its own on sys.meta_path lists (a zipapp's, a
+bundler's), in meta_path's order. Names are normalized and the first of duplicates is kept, as
 importlib.metadata's own `entry_points()` does (Python >= 3.10).
 
 A `*.dist-info` in the directory Python put on sys.path for the script itself (its folder, or the
@@ -19,7 +20,7 @@ import logging
 import os
 import re
 import sys
-from importlib import metadata
+from importlib import machinery, metadata
 from pathlib import Path
 from typing import Iterator, Union
 
@@ -42,13 +43,10 @@ def scan() -> tuple[list[metadata.EntryPoint], dict[str, Listed]]:
     skipped = [p for p in sys.path if implicit and _same_dir(p, implicit, site_dirs)]
     found: list[metadata.EntryPoint] = []
     installed: dict[str, Listed] = {}
-    for entry in sys.path:
-        if entry in skipped:
-            continue
-        for key, dist in _listed(entry):
-            if key not in installed:  # the first of duplicates on sys.path
-                installed[key] = dist
-                found.extend(_group_of(dist))
+    for key, dist in _everywhere(skipped):
+        if key not in installed:  # the first of duplicates, in importlib.metadata's order
+            installed[key] = dist
+            found.extend(_group_of(dist))
     local: set[str] = set()
     for entry in skipped:
         for key, dist in _listed(entry):
@@ -76,6 +74,34 @@ def version(framework: str, installed: dict[str, Listed]) -> str | None:
 def normalized(name: str) -> str:
     """A distribution's name as importlib.metadata compares it (PEP 503, then '_')."""
     return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _everywhere(skipped: list[str]) -> Iterator[tuple[str, Listed]]:
+    """Every distribution, in the order importlib.metadata discovers them: each finder on
+    sys.meta_path in turn, the path finder's share read from sys.path's directories. A finder of
+    its own (a zipapp's or a bundler's) lists its distributions through `find_distributions`."""
+    finders = list(sys.meta_path)
+    if machinery.PathFinder not in finders:
+        finders.append(machinery.PathFinder)
+    for finder in finders:
+        if finder is machinery.PathFinder:
+            for entry in sys.path:
+                if entry not in skipped:
+                    yield from _listed(entry)
+        elif hasattr(finder, "find_distributions"):
+            yield from _found_by(finder)
+
+
+def _found_by(finder: object) -> Iterator[tuple[str, Listed]]:
+    """What a finder other than the path finder lists; a finder that fails is left out, said in
+    one line (the scan runs inside every checkpointing job)."""
+    try:
+        dists = list(finder.find_distributions(metadata.DistributionFinder.Context()))
+        listed = [(_dist_key(d), d) for d in dists]
+    except Exception as exc:  # noqa: BLE001 (someone else's finder: fail open, said)
+        log.warning("gcpatch: %r failed to list its distributions, left out: %r", finder, exc)
+        return
+    yield from listed
 
 
 def _listed(entry: str) -> Iterator[tuple[str, Listed]]:
