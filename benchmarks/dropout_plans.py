@@ -9,8 +9,10 @@ unfused, so a layer keeping its matmuls still recomputes softmax and dropout ove
 its measured cost decides how many layers the plan keeps that way and how many it checkpoints
 whole. The first step plans under GCPATCH_MEMORY_BUDGET=0.5; then the model's checkpointing is
 disabled (gcpatch leaves a disabled model alone) and each plan is set on the layers by hand:
-gcpatch's own, every layer keeping its matmuls (no matmul recomputed), 2 whole and 5 keeping (the
-issue's FLOPs bound, 0.25), full checkpointing and none. Steps alternate plan by plan, `--rounds`
+gcpatch's own, every layer keeping its matmuls (no matmul recomputed), 2 whole and 5 keeping (a
+quarter of full checkpointing's matmul FLOPs), every layer with its feed-forward block alone
+checkpointed (what that lever sheds where the attention's tensors dominate), full checkpointing
+and none. Steps alternate plan by plan, `--rounds`
 times; each is timed in the thread's CPU time on one compute thread (other jobs on a shared machine
 do not count), with
 the bytes its forward holds (gcpatch's instrument) and the matmul FLOPs its backward recomputes
@@ -38,6 +40,7 @@ PLANS = {
     "keeping every layer's matmuls": ["keep-matmuls"] * LAYERS,
     "2 whole, 5 keeping, 1 plain": ["full", "keep-matmuls", "keep-matmuls", "plain"]
     + ["full", "keep-matmuls", "keep-matmuls", "keep-matmuls"],
+    "every layer's feed-forward block alone": ["feed-forward"] * LAYERS,
     "full checkpointing": ["full"] * LAYERS,
     "no checkpointing": ["plain"] * LAYERS,
 }
