@@ -22,7 +22,7 @@ import re
 import sys
 from importlib import machinery, metadata
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Any, Iterator, Union
 
 from gcpatch import hookspecs, settings
 from gcpatch.facts import version_of
@@ -92,7 +92,7 @@ def _everywhere(skipped: list[str]) -> Iterator[tuple[str, Listed]]:
             yield from _found_by(finder)
 
 
-def _found_by(finder: object) -> Iterator[tuple[str, Listed]]:
+def _found_by(finder: Any) -> Iterator[tuple[str, Listed]]:
     """What a finder other than the path finder lists; a finder that fails is left out, said in
     one line (the scan runs inside every checkpointing job)."""
     try:
