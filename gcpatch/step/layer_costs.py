@@ -121,14 +121,15 @@ def measure(
     seconds = _time_layers(layers, run(*timed_at), sync)
     seconds = _averaged(seconds, kinds, [p[timed_at] for p in plain], [c[timed_at] for c in ckpt])
     # the selective levers' costs, as shares of checkpointing whole, at the timed shape (the
-    # attention kernel a shape gets, and its share of a layer, change with rows and tokens)
+    # attention kernel a shape gets, and its share of a layer, change with rows and tokens);
+    # without `levers` none is timed, and a lever without a share has no seconds on any layer
     shares = (
         selective.shares(layers, run(*timed_at), splits)
         if levers
         else dict.fromkeys(selective.LEVERS)
     )
-    offered = [levers and selective.available(m) for m in layers]
-    offloads = [levers and selective.offloadable(m) for m in layers]
+    offered = [selective.available(m) for m in layers]
+    offloads = [selective.offloadable(m) for m in layers]
 
     def lever_seconds(share: float | None, offered: list[bool] = offered) -> list[float | None]:
         return [s * share if share is not None and ok else None for s, ok in zip(seconds, offered)]
