@@ -27,11 +27,12 @@ transformers 4.x who wants selective checkpointing does: 4.x defaults to reentra
 levers cannot run under, and there (the other runs on 4.57) the plan is of whole layers. At 0.3
 keeping the matmuls of every layer holds too much, and keeping the attention output (about 0.7 of
 a whole layer's recompute on this CPU, half its FLOPs) or the MLP alone takes the place of whole
-layers. With
-dropout CPU attention runs unfused (softmax and dropout over tokens x tokens, recomputed by the
-matmul lever; no kernel for the attention lever to keep), keeping costs 0.55-0.65 of a whole
-layer on a quiet machine and up to 1.4 on a loaded one, where the cheapest plan in time
-checkpoints more layers whole; there the FLOPs are only what its modes say."""
+layers. With dropout CPU attention runs unfused (softmax and dropout over tokens x tokens,
+recomputed by the matmul lever; no kernel for the attention lever to keep), keeping has cost
+0.55-0.75 of a whole layer on a quiet machine and up to 1.4 on a loaded one; above about 0.7 the
+cheapest plan in time checkpoints more layers whole (0.54-0.56 of the FLOPs at 0.75); there the
+FLOPs are only what its modes say (benchmarks/DROPOUT_PLANS.md times those plans against ones
+recomputing fewer FLOPs)."""
 
 from __future__ import annotations
 
