@@ -8,7 +8,8 @@ mask, a rotary table: 2 x the 1-row figure minus the 2-row one), each fitted as 
 through the two token counts: the t**2 term is what attention materialises where it is eager
 (its scores). Beyond the largest measured length the prediction is never below the linear one
 through that point, so a fit that bends down cannot promise less than was seen. Where the tokens
-could not be truncated (one token count measured) every part is taken as proportional to t, and the
+could not be truncated (one token count measured) every part is taken as proportional to t, and
+where the first row could not run alone (one row count measured) as proportional to the rows; the
 record says so.
 
 A layer's recompute seconds, timed once at the measured shape, scale with its plain bytes (the work
@@ -49,15 +50,17 @@ class Curve:
 
     @classmethod
     def fit(cls, points: dict[tuple[int, int], float]) -> Curve:
-        """From {(rows, tokens): value} at rows 1 and 2 (1 alone for a one-row batch) and one or
-        two token counts."""
+        """From {(rows, tokens): value} at rows 1 and 2 (one row count alone, as for a one-row
+        batch: proportional to the rows) and one or two token counts."""
         lengths = sorted({t for _, t in points})
         parts = []
         for t in lengths:
-            one = points[(1, t)]
-            two = points.get((2, t))
-            per_row = one if two is None else two - one
-            parts.append((t, per_row, 0.0 if two is None else one - per_row))
+            counts = sorted(r for r, u in points if u == t)
+            if len(counts) == 1:
+                parts.append((t, points[(counts[0], t)] / counts[0], 0.0))
+                continue
+            one, two = points[(1, t)], points[(2, t)]
+            parts.append((t, two - one, 2 * one - two))
         t_max = float(lengths[-1])
         _, row_max, fixed_max = parts[-1]
         if len(parts) == 1:  # tokens not measured: proportional to t

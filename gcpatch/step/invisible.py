@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import random
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Iterator
 
 from gcpatch.facts import passes_kv_cache
+
+log = logging.getLogger("gcpatch")
 
 # Hooks whose function comes from these packages are the model's own, and run in a pass.
 FRAMEWORKS = (
@@ -99,13 +102,43 @@ def _devices(model: Any) -> tuple[list[int], str]:
 
 @contextlib.contextmanager
 def _buffers_kept(torch: Any, model: Any) -> Iterator[None]:
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    """Each buffer the pass wrote into put back, its version counter too; the others untouched. The
+    budget measures between the user's first forward and its backward, and autograd refuses a
+    tensor that forward saved whose version moved since ('modified by an inplace operation'):
+    Gemma's embedding normalizer, BERT's token_type_ids."""
+    buffers = [(b, b._version, b.detach().clone()) for b in model.buffers()]
     try:
         yield
     finally:
+        written = [(b, version, saved) for b, version, saved in buffers if b._version != version]
         with torch.no_grad():
-            for buffer, saved in buffers:
+            for buffer, _, saved in written:
                 buffer.copy_(saved)
+        _versions_back(torch, [(b, version) for b, version, _ in written])
+
+
+def _versions_back(torch: Any, written: list[tuple[Any, int]]) -> None:
+    """Version counters set back to what they were before the pass: the contents are."""
+    if not written:
+        return
+    tensors, versions = [b for b, _ in written], [v for _, v in written]
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    try:
+        if setter is None:
+            raise AttributeError("torch has no _unsafe_set_version_counter")
+        try:
+            setter(tuple(tensors), tuple(versions))
+        except TypeError:  # an older torch takes one tensor and one version
+            for tensor, version in written:
+                setter(tensor, version)
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        log.warning(
+            "gcpatch: %d buffer(s) written by gcpatch's own pass keep a new version (%s: %s): a"
+            " backward of the forward before it that saved them may be refused",
+            len(written),
+            type(exc).__name__,
+            exc,
+        )
 
 
 @contextlib.contextmanager
@@ -198,9 +231,5 @@ def _inside_saved_tensor_hooks(torch: Any) -> bool:
     try:
         return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     except Exception as exc:  # noqa: BLE001 (private API: only a precaution)
-        import logging
-
-        logging.getLogger("gcpatch").debug(
-            "gcpatch: cannot read torch's saved-tensor hooks (%s); checked without it", exc
-        )
+        log.debug("gcpatch: cannot read torch's saved-tensor hooks (%s); checked without it", exc)
         return False

@@ -63,16 +63,18 @@ def measure(
     kinds: list[str],
     token_lengths: list[int] | None = None,
     levers: bool = True,
+    rows: list[int] | None = None,
 ) -> Measured:
     """`run(rows, tokens)` cuts the batch to its first `rows` rows and `tokens` tokens and returns
     the forward on them, which runs with every layer plain and returns its output (the cut is made
     before counting starts: the new leaves are not the forward's to hold); the caller owns RNG,
     flags and hooks (gcpatch/step/planner.py). `token_lengths`: the token counts to measure (the
     batch's own last); one count: tokens are not measured, only rows. Without `levers`
-    (GCPATCH_BUDGET_LEVERS=whole) no lever is measured or offered: whole layers only."""
+    (GCPATCH_BUDGET_LEVERS=whole) no lever is measured or offered: whole layers only. `rows`: the
+    row counts to measure where not 1 and 2 (one count: taken as proportional to the rows)."""
     start = time.perf_counter()
     batch, full_tokens = shape
-    sizes = [1] if batch <= 1 else [1, 2]
+    sizes = rows or ([1] if batch <= 1 else [1, 2])
     lengths = token_lengths or [full_tokens]
     n = len(layers)
     plain: list[dict] = [{} for _ in range(n)]

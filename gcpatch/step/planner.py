@@ -149,7 +149,10 @@ def _measure(
     torch: Any, module: Any, layers: list, args: tuple, kwargs: dict, found: tuple[int, int]
 ) -> dict:
     """The cost model, from forwards on 1 and 2 rows at the batch's token count and half of it
-    (tokens only where the batch is a token sequence and its truncation runs)."""
+    (tokens only where the batch is a token sequence and its truncation runs). A batch whose first
+    row does not run alone (a VLM whose images come flattened across rows, as Qwen2-VL's
+    pixel_values with image_grid_thw) is measured whole where it has two rows, which holds no more
+    than the two-row forward would, and taken as proportional to its rows."""
     batch, tokens = found
 
     def run(rows: int, length: int) -> Any:
@@ -161,15 +164,26 @@ def _measure(
     kinds = [type(m).__name__ for m in layers]
     lengths = [tokens // 2, tokens] if tokens >= 4 else [tokens]
     levers = settings.budget_levers()
+    # what to measure, from the most to the least: rows and tokens, rows alone, the batch whole
+    # (two rows: no more than the two-row forward holds); each note says what the next one lost
+    tries: list[tuple[list[int], list[int] | None, str]] = [(lengths, None, "")]
+    if len(lengths) > 1:
+        tries.append(([tokens], None, "tokens not measured"))
+    if batch == 2:
+        lost = "rows and tokens" if len(lengths) > 1 else "rows"
+        tries.append(([tokens], [batch], f"{lost} not measured"))
     note = ""
     with invisible.gcpatch_pass(torch, module), _all_plain(layers):
-        try:
-            measured = layer_costs.measure(module, layers, run, found, kinds, lengths, levers)
-        except Exception as exc:  # noqa: BLE001 (a model the truncated batch does not fit)
-            if len(lengths) == 1:
-                raise
-            note = f"tokens not measured ({type(exc).__name__}: {exc}), taken as proportional"
-            measured = layer_costs.measure(module, layers, run, found, kinds, [tokens], levers)
+        for i, (counts, rows, _) in enumerate(tries):
+            try:
+                measured = layer_costs.measure(
+                    module, layers, run, found, kinds, counts, levers, rows=rows
+                )
+                break
+            except Exception as exc:  # noqa: BLE001 (a model a cut batch does not fit)
+                if i + 1 == len(tries):
+                    raise
+                note = f"{tries[i + 1][2]} ({type(exc).__name__}: {exc}), taken as proportional"
     return {
         "cost_model": measured.model.to_dict(),
         "measured": {

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from gcpatch import headline  # noqa: E402
 from gcpatch.budget import parse  # noqa: E402
 from gcpatch.step import first_step, layer_costs, planner  # noqa: E402
+from gcpatch.step.cost_model import CostModel  # noqa: E402
 
 
 class Loop(torch.nn.Module):
@@ -214,3 +215,72 @@ def test_an_interrupt_while_measuring_restores_and_plans_at_the_next_forward(cap
     lines = _first_forward(model, caplog, x)  # the loop caught it and went on
     assert torch.equal(torch.rand(2), expected)  # measuring drew from a forked stream
     assert len(calls) == 2 and any("layers checkpointed" in line for line in lines), lines
+
+
+class Scaled(Stack):
+    """Buffers the forward's graph saves for its backward, as Gemma's embedding normalizer (a scalar
+    the hidden states are multiplied by) and BERT's token_type_ids (indices an embedding looks up),
+    and one the forward writes into before it multiplies by it (a step counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.types = torch.nn.Embedding(2, 4)
+        self.register_buffer("normalizer", torch.tensor(2.0), persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros(1, 8, dtype=torch.long))
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        x = x * self.normalizer + self.types(self.token_type_ids[:, : x.shape[0]]).squeeze(0)
+        return super().forward(x * self.steps)
+
+
+def test_the_first_steps_backward_runs_on_the_buffers_its_forward_saved(caplog):
+    """The plan is measured between the first forward and its backward: the measuring forwards
+    leave every buffer as that forward saved it, its version counter too, or autograd refuses the
+    backward ('modified by an inplace operation'), as it did for Gemma and BERT under a budget."""
+    torch.manual_seed(0)
+    plain = Scaled()
+    model = Scaled()
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 4)
+    plain(x).pow(2).sum().backward()
+    first_step.arm(model, parse("0.5"), verifying=False)
+    with caplog.at_level(logging.INFO, logger="gcpatch"):
+        out = model(x)
+    assert any("layers checkpointed" in r.getMessage() for r in caplog.records)
+    out.pow(2).sum().backward()
+    assert model.steps.item() == plain.steps.item() == 1  # the measuring forwards' counts undone
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad), name
+
+
+class Flattened(Stack):
+    """A batch whose first row does not run alone: `media` holds two items a row flattened across
+    rows (its first dimension is not the batch's), as a VLM's pixel_values with image_grid_thw."""
+
+    def forward(self, x, media):
+        return super().forward(x + media.view(x.shape[0], 2, 4).sum(1))
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_a_batch_whose_first_row_does_not_run_alone_is_measured_whole_at_two_rows(rows, caplog):
+    """Two rows are measured whole (no more than the two-row forward holds), proportional to the
+    rows; a larger batch is not measured whole, and the line says why no plan was made."""
+    model = Flattened()
+    x, media = torch.randn(rows, 4, requires_grad=True), torch.randn(2 * rows, 4)
+    with caplog.at_level(logging.INFO, logger="gcpatch"):
+        outcome = planner.plan(model, model, (x, media), {}, parse("0.5"))
+    if rows == 3:
+        assert "measuring failed (RuntimeError: shape '[1, 2, 4]'" in outcome["skipped"], outcome
+        assert [b.gradient_checkpointing for b in model.blocks] == [True] * 3
+        return
+    measured = outcome["measured"]
+    assert measured["rows"] == [2] and measured["note"].startswith(
+        "rows not measured (RuntimeError: shape '[1, 2, 4]'"
+    ), measured
+    costs = CostModel.from_dict(outcome["cost_model"])
+    # proportional: a row holds half of what the two rows held
+    assert costs.plain[0](1, 1) == pytest.approx(costs.plain[0](2, 1) / 2)
+    assert costs.plain[0](2, 1) == measured["layers"][0]["plain_bytes"] > 0
+    assert "2 of 3 layers checkpointed" in headline.unwrap(caplog.records[-1].getMessage())

@@ -1,0 +1,58 @@
+"""Every family of the model-family table (scripts/families.py builds each tiny model from a config)
+trained three SGD steps with checkpointing enabled, each step's gradients against the same model
+trained without checkpointing. Under GCPATCH_MEMORY_BUDGET the first step's forward is followed by
+gcpatch's measuring forwards before its backward runs: a backward refused there ('modified by an
+inplace operation': a buffer the forward saved) or a gradient off shows up per family. Ordinary
+user code: nothing here imports gcpatch.
+
+usage: budget_families.py [FAMILY ...]     prints one line: RESULT {json}
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import _common as c
+import families as f
+import torch
+
+STEPS = 3
+
+
+def train(name: str, checkpointing: bool) -> list[dict]:
+    """Each step's trainable gradients (the same inputs every step, SGD in between)."""
+    model = f.build(name)
+    if checkpointing:
+        f.enable(model)
+    model.train()
+    path = f.FAMILIES[name][2]
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    grads = []
+    for _ in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        output = model(**path(model))
+        f._first_float(output).float().pow(2).mean().backward()
+        grads.append(c.trainable_grads(model))
+        optimizer.step()
+    return grads
+
+
+def family(name: str) -> dict:
+    reference = train(name, checkpointing=False)
+    try:
+        got = train(name, checkpointing=True)
+    except Exception as exc:  # noqa: BLE001 (reported per family)
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"[:300], "wrong": None}
+    return {"error": None, "wrong": [f.compare(g, r)["wrong"] for g, r in zip(got, reference)]}
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(f.FAMILIES)
+    c.emit({"scenario": "budget_families", "families": {name: family(name) for name in names}})
+
+
+if __name__ == "__main__":
+    main()
