@@ -121,24 +121,24 @@ def _versions_back(torch: Any, written: list[tuple[Any, int]]) -> None:
     """Version counters set back to what they were before the pass: the contents are."""
     if not written:
         return
-    tensors, versions = [b for b, _ in written], [v for _, v in written]
     setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-    try:
-        if setter is None:
-            raise AttributeError("torch has no _unsafe_set_version_counter")
+    why = "torch has no _unsafe_set_version_counter"
+    if setter is not None:
         try:
-            setter(tuple(tensors), tuple(versions))
-        except TypeError:  # an older torch takes one tensor and one version
-            for tensor, version in written:
-                setter(tensor, version)
-    except (AttributeError, TypeError, RuntimeError) as exc:
-        log.warning(
-            "gcpatch: %d buffer(s) written by gcpatch's own pass keep a new version (%s: %s): a"
-            " backward of the forward before it that saved them may be refused",
-            len(written),
-            type(exc).__name__,
-            exc,
-        )
+            try:
+                setter(tuple(b for b, _ in written), tuple(v for _, v in written))
+            except TypeError:  # an older torch takes one tensor and one version
+                for tensor, version in written:
+                    setter(tensor, version)
+            return
+        except (TypeError, RuntimeError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+    log.warning(
+        "gcpatch: %d buffer(s) written by gcpatch's own pass keep a new version (%s): a backward"
+        " of the forward before it that saved them may be refused",
+        len(written),
+        why,
+    )
 
 
 @contextlib.contextmanager

@@ -255,6 +255,21 @@ def test_the_first_steps_backward_runs_on_the_buffers_its_forward_saved(caplog):
         assert torch.allclose(p.grad, q.grad), name
 
 
+def test_without_torchs_version_setter_the_written_buffer_is_put_back_and_said(caplog, monkeypatch):
+    """A torch without the private setter: the contents still come back, and one line says which
+    buffers keep a new version (a backward that saved them may then be refused)."""
+    monkeypatch.delattr(torch._C._autograd, "_unsafe_set_version_counter")
+    model = Scaled()
+    first_step.arm(model, parse("0.5"), verifying=False)
+    with caplog.at_level(logging.INFO, logger="gcpatch"):
+        model(torch.randn(2, 4))
+    assert model.steps.item() == 1
+    said = [r.getMessage() for r in caplog.records if "keep a new version" in r.getMessage()]
+    assert said and said[0].startswith(
+        "gcpatch: 1 buffer(s) written by gcpatch's own pass keep a new version (torch has no"
+    ), said
+
+
 class Flattened(Stack):
     """A batch whose first row does not run alone: `media` holds two items a row flattened across
     rows (its first dimension is not the batch's), as a VLM's pixel_values with image_grid_thw."""
