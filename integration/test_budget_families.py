@@ -14,7 +14,12 @@ from _run import V5, Spec
 
 SCRIPT = "budget_families.py"
 BUDGET = {"GCPATCH_MEMORY_BUDGET": "0.5"}
-RUNS = [Spec(SCRIPT, env=tuple(BUDGET.items()))]
+# three rows: Qwen2-VL's first rows run with the images they stand for (gcpatch/step/media.py)
+THREE_ROWS = ("--rows", "3", "qwen2_vl", "llava")
+RUNS = [
+    Spec(SCRIPT, env=tuple(BUDGET.items())),
+    Spec(SCRIPT, THREE_ROWS, env=tuple(BUDGET.items())),
+]
 
 
 def _families(script_runs, gcpatch: bool) -> dict:
@@ -43,3 +48,16 @@ def test_each_family_is_planned_or_told_why_not(script_runs):
     assert len(lines) == len(FAMILIES), lines
     unplanned = [line for line in lines if "layers checkpointed" not in line]
     assert unplanned == [], unplanned
+
+
+def test_a_vlm_whose_images_come_flattened_across_rows_is_planned_at_any_batch(script_runs):
+    """Qwen2-VL's pixel_values hold every image's patches one after the other: a batch of three
+    rows is measured on its first rows with their own images, planned, and exact."""
+    run = script_runs.get(SCRIPT, *THREE_ROWS, gcpatch=True, env=BUDGET)
+    assert run.result["rows"] == 3
+    assert run.result["families"] == {
+        name: {"error": None, "wrong": [0, 0, 0]} for name in ("qwen2_vl", "llava")
+    }
+    lines = [m for m in run.messages() if m.startswith("gcpatch: rank 0 budget ")]
+    assert len(lines) == 2, lines
+    assert all("layers checkpointed" in line and " at 3 x " in line for line in lines), lines

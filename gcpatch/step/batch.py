@@ -73,7 +73,7 @@ def first_tokens(torch: Any, value: Any, full: int, tokens: int, name: str = "")
         for dim in dims:
             if tensor.shape[dim] == full:
                 index[dim] = slice(0, tokens)
-        return _leaf(tensor, tensor[tuple(index)])
+        return leaf(tensor, tensor[tuple(index)])
 
     return _each(torch, value, cut, name)
 
@@ -85,12 +85,12 @@ def first_rows(torch: Any, value: Any, batch: int, rows: int, name: str = "") ->
     def cut(tensor: Any, key: str) -> Any:
         if key in NOT_BATCHED or tensor.dim() == 0 or tensor.shape[0] != batch:
             return tensor
-        return _leaf(tensor, tensor[:rows])
+        return leaf(tensor, tensor[:rows])
 
     return _each(torch, value, cut, name)
 
 
-def _leaf(tensor: Any, part: Any) -> Any:
+def leaf(tensor: Any, part: Any) -> Any:
     """`part` of `tensor` as a new leaf, requiring grad where the tensor did."""
     part = part.detach().clone()
     return part.requires_grad_(True) if tensor.requires_grad and part.is_floating_point() else part

@@ -33,8 +33,8 @@ from gcpatch import budget as budget_mod
 from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.facts import checkpoint_layers, checkpoint_site
 from gcpatch.ranks import default_store, rank
-from gcpatch.step import invisible, layer_costs, offload, selective, shapes, solver
-from gcpatch.step.batch import first_rows, first_tokens
+from gcpatch.step import invisible, layer_costs, media, offload, selective, shapes, solver
+from gcpatch.step.batch import first_rows, first_tokens, leaf
 from gcpatch.step.batch import shape as batch_shape
 from gcpatch.step.cost_model import CostModel
 from gcpatch.step.held import Held
@@ -149,14 +149,19 @@ def _measure(
     torch: Any, module: Any, layers: list, args: tuple, kwargs: dict, found: tuple[int, int]
 ) -> dict:
     """The cost model, from forwards on 1 and 2 rows at the batch's token count and half of it
-    (tokens only where the batch is a token sequence and its truncation runs). A batch whose first
-    row does not run alone (a VLM whose images come flattened across rows, as Qwen2-VL's
-    pixel_values with image_grid_thw) is measured whole where it has two rows, which holds no more
-    than the two-row forward would, and taken as proportional to its rows."""
+    (tokens only where the batch is a token sequence and its truncation runs); images flattened
+    across the rows go with the rows they stand in (gcpatch/step/media.py). A batch whose first row
+    still does not run alone is measured whole where it has two rows, which holds no more than the
+    two-row forward would, and taken as proportional to its rows."""
     batch, tokens = found
+    config = getattr(module, "config", None)
 
     def run(rows: int, length: int) -> Any:
-        s_args, s_kwargs = first_rows(torch, (tuple(args), dict(kwargs)), batch, min(rows, batch))
+        rows = min(rows, batch)
+        flattened = media.first_rows(torch, kwargs, rows, config) if rows < batch else {}
+        rest = {k: v for k, v in kwargs.items() if k not in flattened}
+        s_args, s_kwargs = first_rows(torch, (tuple(args), rest), batch, rows)
+        s_kwargs.update({k: v if v is None else leaf(v, v) for k, v in flattened.items()})
         if length != tokens:
             s_args, s_kwargs = first_tokens(torch, (s_args, s_kwargs), tokens, length)
         return lambda: module(*s_args, **s_kwargs)

@@ -5,7 +5,9 @@ gcpatch's measuring forwards before its backward runs: a backward refused there 
 inplace operation': a buffer the forward saved) or a gradient off shows up per family. Ordinary
 user code: nothing here imports gcpatch.
 
-usage: budget_families.py [FAMILY ...]     prints one line: RESULT {json}
+usage: budget_families.py [--rows N] [FAMILY ...]     prints one line: RESULT {json}
+  --rows: the batch's rows (the table's 2 by default); Qwen2-VL's images come flattened across
+          them (pixel_values with image_grid_thw)
 """
 
 from __future__ import annotations
@@ -50,8 +52,12 @@ def family(name: str) -> dict:
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(f.FAMILIES)
-    c.emit({"scenario": "budget_families", "families": {name: family(name) for name in names}})
+    args = sys.argv[1:]
+    if args[:1] == ["--rows"]:
+        f.B, args = int(args[1]), args[2:]
+    names = args or list(f.FAMILIES)
+    families = {name: family(name) for name in names}
+    c.emit({"scenario": "budget_families", "rows": f.B, "families": families})
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "gcpatch"
 STEP = {
     "step",
     "step.batch",
+    "step.media",
     "step.invisible",
     "step.held",
     "step.heap",
