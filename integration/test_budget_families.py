@@ -22,7 +22,8 @@ RUNS = [
 ]
 
 
-def _families(script_runs, gcpatch: bool) -> dict:
+def _families(script_runs, gcpatch: bool) -> tuple:
+    """The run of the whole table and its per-family results."""
     run = script_runs.get(SCRIPT, gcpatch=gcpatch, env=BUDGET if gcpatch else None)
     families = run.result["families"]
     assert sorted(families) == sorted(FAMILIES)

@@ -31,7 +31,7 @@ def first_rows(torch: Any, kwargs: Mapping[str, Any], rows: int, config: Any) ->
         pixels, grid = kwargs.get(pixels_key), kwargs.get(grid_key)
         if not isinstance(pixels, torch.Tensor) or not isinstance(grid, torch.Tensor):
             continue
-        items = _items(torch, ids[:rows], pixels, grid, getattr(config, token_key, None), merge)
+        items = _items(ids[:rows], pixels, grid, getattr(config, token_key, None), merge)
         if items is None:
             return {}
         # none in these rows: the medium is left out, as a batch without it passes None
@@ -45,7 +45,7 @@ def first_rows(torch: Any, kwargs: Mapping[str, Any], rows: int, config: Any) ->
     return out
 
 
-def _items(torch: Any, ids: Any, pixels: Any, grid: Any, token: Any, merge: int) -> int | None:
+def _items(ids: Any, pixels: Any, grid: Any, token: Any, merge: int) -> int | None:
     """How many leading items the rows' placeholder tokens stand for, or None where they do not
     match a whole number of items (or the pixel rows are not the grids' sum)."""
     if not isinstance(token, int) or grid.dim() != 2 or merge < 1:

@@ -12,7 +12,7 @@ usage: budget_families.py [--rows N] [FAMILY ...]     prints one line: RESULT {j
 
 from __future__ import annotations
 
-import sys
+import argparse
 import traceback
 
 import _common as c
@@ -52,11 +52,12 @@ def family(name: str) -> dict:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    if args[:1] == ["--rows"]:
-        f.B, args = int(args[1]), args[2:]
-    names = args or list(f.FAMILIES)
-    families = {name: family(name) for name in names}
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=f.B)
+    parser.add_argument("families", nargs="*", default=list(f.FAMILIES))
+    args = parser.parse_args()
+    f.B = args.rows
+    families = {name: family(name) for name in args.families}
     c.emit({"scenario": "budget_families", "rows": f.B, "families": families})
 
 
