@@ -242,6 +242,9 @@ def command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     raise ValueError(f"unknown launcher {spec.launcher!r}")
 
 
+PORT_TAKEN = "EADDRINUSE"  # torch's TCPStore could not listen on the rendezvous port
+
+
 def expected_results(spec: Spec) -> int:
     return 2 if spec.launcher == "torchrun2" else 1
 
@@ -266,6 +269,12 @@ def run_script(spec: Spec, workdir: Path) -> Run:
         env["PYTHONPATH"] = str(BLUNT)
     start = time.monotonic()
     proc = harness_run(argv, workdir, env, TIMEOUT_S, warm=True)
+    if spec.launcher != "python" and PORT_TAKEN in (proc.stderr or ""):
+        # another process bound the rendezvous port between its draw and the run: the run never
+        # started, so it runs again on a new one
+        argv, launch_env = command(spec)
+        env.update(launch_env)
+        proc = harness_run(argv, workdir, env, TIMEOUT_S, warm=True)
     run = Run(spec, proc.returncode, proc.stdout, proc.stderr, record_dir, time.monotonic() - start)
     results = parse_results(proc.stdout)
     # a distributed run whose ranks crashed may still exit non-zero after printing its RESULT lines

@@ -1,14 +1,17 @@
 """The child runner never blocks the suite: a hung run whose descendant left the process group
-(a rank that outlived torchrun) is stopped whole and reported as a timeout."""
+(a rank that outlived torchrun) is stopped whole and reported as a timeout; a distributed run's
+rendezvous port is one no outgoing connection can take meanwhile."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import textwrap
 import time
 
 import pytest
+from testkit import harness
 from testkit.harness import child_env, run
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="needs /proc")
@@ -44,3 +47,22 @@ def test_a_hung_run_with_an_escaped_descendant_ends_at_its_timeout(tmp_path):
     assert took < 30, took
     time.sleep(0.2)
     assert not _alive(pids[0]), "the escaped grandchild still runs"
+
+
+def test_a_rendezvous_port_lies_below_the_ephemeral_range_and_is_free():
+    low = harness._ephemeral_low()
+    ports = {harness.free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports), (ports, low)
+    assert len(ports) > 1, "every run would draw the same port"
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_rendezvous_port_skips_one_that_is_taken(monkeypatch):
+    low = harness._ephemeral_low()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", low - 1))
+        taken.listen()
+        monkeypatch.setattr(harness, "PORTS_BELOW", 2)  # draws low-2 and low-1 only
+        assert {harness.free_port() for _ in range(10)} == {low - 2}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,8 +42,33 @@ def child_env(quiet: bool = False, **extra: str) -> dict[str, str]:
     return env
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORTS_BELOW = 12000  # how far below the kernel's ephemeral range ports are drawn
+
+
+def _ephemeral_low() -> int:
+    """Where the kernel's range of ports for outgoing connections starts (Linux's default where
+    it cannot be read)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on now (one per distributed run, so parallel runs never meet)."""
+    """A TCP port nobody listens on now (one per distributed run, so parallel runs never meet),
+    drawn below the kernel's ephemeral range: the port is free again until the run binds it, and
+    one from that range may meanwhile become the local end of any outgoing connection (another
+    run's gloo ranks), which fails the rendezvous with EADDRINUSE; below it only a bind can."""
+    low = _ephemeral_low()
+    ports = range(max(1024, low - PORTS_BELOW), low)
+    for port in random.sample(ports, min(64, len(ports))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # taken: draw another
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
