@@ -3,9 +3,7 @@ DDP's deprecated `broadcast_buffers` (stacklevel=2) names the user's line, never
 
 from __future__ import annotations
 
-import socket
-
-from testkit.harness import result_of, run_python
+from testkit.harness import free_port, result_of, run_python
 
 SCRIPT = """
 import os, json, warnings, torch, torch.distributed as dist
@@ -22,12 +20,6 @@ print("RESULT " + json.dumps([[w.filename, w.lineno, str(w.message)[:40]] for w 
 """
 
 
-def _port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
 def _sources(tmp_path, gcpatch):
     caught = result_of(
         run_python(
@@ -35,7 +27,7 @@ def _sources(tmp_path, gcpatch):
             tmp_path,
             GCPATCH=gcpatch,
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=_port(),
+            MASTER_PORT=str(free_port()),
             PYTHONWARNINGS="default",
         )
     )
