@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Iterator
 
+from gcpatch import console
 from gcpatch.facts import passes_kv_cache
 
 log = logging.getLogger("gcpatch")
@@ -133,11 +134,9 @@ def _versions_back(torch: Any, written: list[tuple[Any, int]]) -> None:
             return
         except (TypeError, RuntimeError) as exc:
             why = f"{type(exc).__name__}: {exc}"
-    log.warning(
-        "gcpatch: %d buffer(s) written by gcpatch's own pass keep a new version (%s): a backward"
-        " of the forward before it that saved them may be refused",
-        len(written),
-        why,
+    console.warn(  # once per job: the plan's measuring pass and verify's would each say it
+        f"gcpatch: {len(written)} buffer(s) written by gcpatch's own pass keep a new version"
+        f" ({why}): a backward of the forward before it that saved them may be refused"
     )
 
 
