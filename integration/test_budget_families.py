@@ -16,9 +16,12 @@ SCRIPT = "budget_families.py"
 BUDGET = {"GCPATCH_MEMORY_BUDGET": "0.5"}
 # three rows: Qwen2-VL's first rows run with the images they stand for (gcpatch/step/media.py)
 THREE_ROWS = ("--rows", "3", "qwen2_vl", "llava")
+# and with its multimodal position_ids passed in (sections x rows x tokens: gcpatch/step/batch.py)
+POSITIONS = ("--rows", "3", "--positions", "qwen2_vl")
 RUNS = [
     Spec(SCRIPT, env=tuple(BUDGET.items())),
     Spec(SCRIPT, THREE_ROWS, env=tuple(BUDGET.items())),
+    Spec(SCRIPT, POSITIONS, env=tuple(BUDGET.items())),
 ]
 
 
@@ -62,3 +65,14 @@ def test_a_vlm_whose_images_come_flattened_across_rows_is_planned_at_any_batch(s
     lines = [m for m in run.messages() if m.startswith("gcpatch: rank 0 budget ")]
     assert len(lines) == 2, lines
     assert all("layers checkpointed" in line and " at 3 x " in line for line in lines), lines
+
+
+def test_a_vlms_multimodal_position_ids_are_cut_with_its_rows(script_runs):
+    """Qwen2-VL's position_ids passed in are sections x rows x tokens: the measuring pass takes
+    the first rows from their second dimension. Cut on the first (the sections), the pass failed
+    (`mat1 and mat2 shapes cannot be multiplied`) and no plan was made."""
+    run = script_runs.get(SCRIPT, *POSITIONS, gcpatch=True, env=BUDGET)
+    assert run.result["rows"] == 3 and run.result["positions"]
+    assert run.result["families"] == {"qwen2_vl": {"error": None, "wrong": [0, 0, 0]}}
+    [line] = [m for m in run.messages() if m.startswith("gcpatch: rank 0 budget ")]
+    assert "layers checkpointed" in line and " at 3 x " in line, line

@@ -10,6 +10,10 @@ from typing import Any, Iterator
 _INPUTS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features")
 # Per-call tensors whose first dimension is not the batch even when its length happens to match.
 NOT_BATCHED = frozenset({"cache_position"})
+# Per-call tensors whose rows are their second dimension where they have three: multimodal RoPE's
+# position_ids, sections x rows x tokens (3 or 4 sections: Qwen2-VL's get_rope_index in
+# transformers/models/qwen2_vl/modeling_qwen2_vl.py, the text positions first where 4).
+SECTIONED = frozenset({"position_ids"})
 
 
 def tensors(torch: Any, value: Any) -> Iterator[Any]:
@@ -83,6 +87,8 @@ def first_rows(torch: Any, value: Any, batch: int, rows: int, name: str = "") ->
     (the user's graph upstream of the model is never reached), keeping requires_grad."""
 
     def cut(tensor: Any, key: str) -> Any:
+        if key in SECTIONED and tensor.dim() == 3 and tensor.shape[1] == batch:
+            return leaf(tensor, tensor[:, :rows])
         if key in NOT_BATCHED or tensor.dim() == 0 or tensor.shape[0] != batch:
             return tensor
         return leaf(tensor, tensor[:rows])

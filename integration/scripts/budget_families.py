@@ -5,14 +5,17 @@ gcpatch's measuring forwards before its backward runs: a backward refused there 
 inplace operation': a buffer the forward saved) or a gradient off shows up per family. Ordinary
 user code: nothing here imports gcpatch.
 
-usage: budget_families.py [--rows N] [FAMILY ...]     prints one line: RESULT {json}
+usage: budget_families.py [--rows N] [--positions] [FAMILY ...]     prints one line: RESULT {json}
   --rows: the batch's rows (the table's 2 by default); Qwen2-VL's images come flattened across
           them (pixel_values with image_grid_thw)
+  --positions: Qwen2-VL gets its multimodal RoPE position_ids (sections x rows x tokens, from
+          the model's own get_rope_index) passed in, as a packing collator passes them
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import traceback
 
 import _common as c
@@ -20,6 +23,18 @@ import families as f
 import torch
 
 STEPS = 3
+POSITIONS = [False]  # --positions
+
+
+def inputs(model, path) -> dict:
+    """The family's inputs; Qwen2-VL's with its position_ids under --positions."""
+    kwargs = path(model)
+    if POSITIONS[0] and "image_grid_thw" in kwargs:
+        rope_index = model.model.get_rope_index
+        taken = inspect.signature(rope_index).parameters  # 5.x added mm_token_type_ids
+        names = ("input_ids", "image_grid_thw", "mm_token_type_ids")
+        kwargs["position_ids"], _ = rope_index(**{n: kwargs[n] for n in names if n in taken})
+    return kwargs
 
 
 def train(name: str, checkpointing: bool) -> list[dict]:
@@ -34,7 +49,7 @@ def train(name: str, checkpointing: bool) -> list[dict]:
     for _ in range(STEPS):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(5)
-        output = model(**path(model))
+        output = model(**inputs(model, path))
         f._first_float(output).float().pow(2).mean().backward()
         grads.append(c.trainable_grads(model))
         optimizer.step()
@@ -54,11 +69,20 @@ def family(name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=f.B)
+    parser.add_argument("--positions", action="store_true")
     parser.add_argument("families", nargs="*", default=list(f.FAMILIES))
     args = parser.parse_args()
     f.B = args.rows
+    POSITIONS[0] = args.positions
     families = {name: family(name) for name in args.families}
-    c.emit({"scenario": "budget_families", "rows": f.B, "families": families})
+    c.emit(
+        {
+            "scenario": "budget_families",
+            "rows": f.B,
+            "positions": args.positions,
+            "families": families,
+        }
+    )
 
 
 if __name__ == "__main__":
