@@ -269,7 +269,11 @@ def run_script(spec: Spec, workdir: Path) -> Run:
         env["PYTHONPATH"] = str(BLUNT)
     start = time.monotonic()
     proc = harness_run(argv, workdir, env, TIMEOUT_S, warm=True)
-    if spec.launcher != "python" and PORT_TAKEN in (proc.stderr or ""):
+    if (
+        spec.launcher != "python"
+        and PORT_TAKEN in (proc.stderr or "")
+        and not parse_results(proc.stdout or "")
+    ):
         # another process bound the rendezvous port between its draw and the run: the run never
         # started, so it runs again on a new one
         argv, launch_env = command(spec)

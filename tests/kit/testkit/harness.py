@@ -62,7 +62,8 @@ def free_port() -> int:
     run's gloo ranks), which fails the rendezvous with EADDRINUSE; below it only a bind can."""
     low = _ephemeral_low()
     ports = range(max(1024, low - PORTS_BELOW), low)
-    for port in random.sample(ports, min(64, len(ports))):
+    # the system's randomness: a test seeding `random` would give parallel suites one sequence
+    for port in random.SystemRandom().sample(ports, min(64, len(ports))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
