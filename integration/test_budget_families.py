@@ -18,10 +18,10 @@ BUDGET = {"GCPATCH_MEMORY_BUDGET": "0.5"}
 THREE_ROWS = ("--rows", "3", "qwen2_vl", "llava")
 # and with its multimodal position_ids passed in (sections x rows x tokens: gcpatch/step/batch.py)
 POSITIONS = ("--rows", "3", "--positions", "qwen2_vl")
+# Qwen2.5-VL and Qwen3-VL merge 2 x 2 patches into a token: four pixel rows per placeholder
+MERGED = ("--rows", "3", "--positions", "qwen2_5_vl", "qwen3_vl")
 RUNS = [
-    Spec(SCRIPT, env=tuple(BUDGET.items())),
-    Spec(SCRIPT, THREE_ROWS, env=tuple(BUDGET.items())),
-    Spec(SCRIPT, POSITIONS, env=tuple(BUDGET.items())),
+    Spec(SCRIPT, args, env=tuple(BUDGET.items())) for args in ((), THREE_ROWS, POSITIONS, MERGED)
 ]
 
 
@@ -76,3 +76,16 @@ def test_a_vlms_multimodal_position_ids_are_cut_with_its_rows(script_runs):
     assert run.result["families"] == {"qwen2_vl": {"error": None, "wrong": [0, 0, 0]}}
     [line] = [m for m in run.messages() if m.startswith("gcpatch: rank 0 budget ")]
     assert "layers checkpointed" in line and " at 3 x " in line, line
+
+
+def test_vlms_that_merge_patches_into_a_token_are_planned_at_any_batch(script_runs):
+    """Qwen2.5-VL and Qwen3-VL (spatial_merge_size 2: a placeholder token stands for four pixel
+    rows), three rows with their position_ids passed in: each first row gets its own image's
+    patches, planned, and exact."""
+    run = script_runs.get(SCRIPT, *MERGED, gcpatch=True, env=BUDGET)
+    assert run.result["families"] == {
+        name: {"error": None, "wrong": [0, 0, 0]} for name in ("qwen2_5_vl", "qwen3_vl")
+    }
+    lines = [m for m in run.messages() if m.startswith("gcpatch: rank 0 budget ")]
+    assert len(lines) == 2, lines
+    assert all("layers checkpointed" in line and " at 3 x " in line for line in lines), lines

@@ -8,7 +8,9 @@ user code: nothing here imports gcpatch.
 usage: budget_families.py [--rows N] [--positions] [FAMILY ...]     prints one line: RESULT {json}
   --rows: the batch's rows (the table's 2 by default); Qwen2-VL's images come flattened across
           them (pixel_values with image_grid_thw)
-  --positions: Qwen2-VL gets its multimodal RoPE position_ids (sections x rows x tokens, from
+  FAMILY: the table's, or a VLM beside it whose vision tower merges patches (families.py
+          MERGED_VLMS: qwen2_5_vl, qwen3_vl)
+  --positions: the Qwen VLMs get their multimodal RoPE position_ids (sections x rows x tokens, from
           the model's own get_rope_index) passed in, as a packing collator passes them
 """
 
@@ -27,7 +29,7 @@ POSITIONS = [False]  # --positions
 
 
 def inputs(model, path) -> dict:
-    """The family's inputs; Qwen2-VL's with its position_ids under --positions."""
+    """The family's inputs; a Qwen VLM's with its position_ids under --positions."""
     kwargs = path(model)
     if POSITIONS[0] and "image_grid_thw" in kwargs:
         rope_index = model.model.get_rope_index
@@ -43,7 +45,7 @@ def train(name: str, checkpointing: bool) -> list[dict]:
     if checkpointing:
         f.enable(model)
     model.train()
-    path = f.FAMILIES[name][2]
+    path = {**f.FAMILIES, **f.MERGED_VLMS}[name][2]
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     grads = []
     for _ in range(STEPS):

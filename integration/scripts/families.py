@@ -283,6 +283,48 @@ def _qwen2_vl():
     return Qwen2VLForConditionalGeneration(config)
 
 
+def _merged_vlm(config_cls, model_cls, rope):
+    """A Qwen2-VL successor whose vision tower merges 2 x 2 patches into one token (the released
+    models' spatial_merge_size): four pixel rows per placeholder token."""
+
+    def build():
+        import transformers
+
+        text = {**LM, "rope_scaling": {"type": "mrope", **rope}, "rope_parameters": {**rope}}
+        config = getattr(transformers, config_cls)(
+            text_config=text,
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=4,
+                patch_size=2,
+                spatial_merge_size=2,
+                temporal_patch_size=1,
+                in_channels=3,
+                out_hidden_size=32,
+                window_size=8,  # Qwen2.5-VL's windowed vision attention
+                fullatt_block_indexes=[1],
+                num_position_embeddings=16,  # Qwen3-VL's learned vision positions
+                deepstack_visual_indexes=[0],
+            ),
+            image_token_id=IMAGE_TOKEN,
+            vision_start_token_id=V - 2,
+            vision_end_token_id=V - 3,
+            video_token_id=V - 4,
+        )
+        return getattr(transformers, model_cls)(config)
+
+    return build
+
+
+MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+_qwen2_5_vl = _merged_vlm("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", MROPE)
+_qwen3_vl = _merged_vlm(
+    "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {**MROPE, "mrope_interleaved": True}
+)
+
+
 def _lora():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -376,6 +418,27 @@ def freeze_input_embeddings(model):
         p.requires_grad_(False)
 
 
+def merged_vlm_pixels(model):
+    # one 4x4-patch image per row (patch 2, merge 2): 16 pixel rows, 4 placeholder tokens; the
+    # processor's attention_mask passed, as a user's batch has it: without one, transformers 4.57's
+    # Qwen3-VL reads its text positions as packed sequences wherever no cache is built, so any
+    # checkpointing (which turns the cache off) changes its attention (masking_utils.py:
+    # find_packed_sequence_indices)
+    n = 4
+    ids = _ids(vocab=V - 5, length=T + n + 2)
+    ids[:, 1] = V - 2
+    ids[:, 2 : 2 + n] = IMAGE_TOKEN
+    ids[:, 2 + n] = V - 3
+    pixels = torch.cat([_float((16, 3 * 1 * 2 * 2), seed=4 + i) for i in range(B)])
+    return {
+        "input_ids": ids,
+        "pixel_values": pixels,
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * B),
+        "mm_token_type_ids": (ids == IMAGE_TOKEN).long(),
+        "attention_mask": torch.ones_like(ids),
+    }
+
+
 def freeze_named(*prefixes):
     def freeze(model):
         for name, p in model.named_parameters():
@@ -452,6 +515,13 @@ FAMILIES = {
     "peft_lora": ("PeftModelForCausalLM (LoRA on Llama)", _lora, ids_path, embeds_path),
 }
 
+# Beside the table (its rows and generated doc stay as they are): VLMs whose vision tower merges
+# patches, for the budget's cut of flattened images (scripts/budget_families.py).
+MERGED_VLMS = {
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl, merged_vlm_pixels),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", _qwen3_vl, merged_vlm_pixels),
+}
+
 FREEZE = {
     "whisper": freeze_named(
         "model.encoder.conv1", "model.encoder.conv2", "model.decoder.embed_tokens"
@@ -480,7 +550,7 @@ PATH_NAMES = {
 
 def build(name):
     torch.manual_seed(0)
-    return FAMILIES[name][1]()
+    return {**FAMILIES, **MERGED_VLMS}[name][1]()
 
 
 def forward_backward(model, inputs):
