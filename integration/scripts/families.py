@@ -249,6 +249,15 @@ def _llava():
     return LlavaForConditionalGeneration(config)
 
 
+# the Qwen VLMs' special tokens: the image placeholder, the vision span's start and end, video
+VL_TOKENS = dict(
+    image_token_id=IMAGE_TOKEN,
+    vision_start_token_id=V - 2,
+    vision_end_token_id=V - 3,
+    video_token_id=V - 4,
+)
+
+
 def _qwen2_vl():
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
@@ -274,10 +283,7 @@ def _qwen2_vl():
             temporal_patch_size=1,
             in_channels=3,
         ),
-        image_token_id=IMAGE_TOKEN,
-        vision_start_token_id=V - 2,
-        vision_end_token_id=V - 3,
-        video_token_id=V - 4,
+        **VL_TOKENS,
         vocab_size=V,
     )
     return Qwen2VLForConditionalGeneration(config)
@@ -308,10 +314,7 @@ def _merged_vlm(config_cls, model_cls, rope):
                 num_position_embeddings=16,  # Qwen3-VL's learned vision positions
                 deepstack_visual_indexes=[0],
             ),
-            image_token_id=IMAGE_TOKEN,
-            vision_start_token_id=V - 2,
-            vision_end_token_id=V - 3,
-            video_token_id=V - 4,
+            **VL_TOKENS,
         )
         return getattr(transformers, model_cls)(config)
 
@@ -394,20 +397,34 @@ def llava_pixels_full(model):
     return {"input_ids": ids, "pixel_values": _float((B, 3, 16, 16))}
 
 
-def qwen2_vl_pixels(model):
-    # one 4x4-patch image (patch 2, merge 1): 16 tokens; pixel rows = patches, each 3*1*2*2 values
-    n = 16
-    ids = _ids(vocab=V - 5, length=T + n + 2)
+def _grid_pixels(tokens, patches, **extra):
+    """A Qwen VLM's batch: one 4x4-patch image per row (patch 2) between its start and end
+    tokens, its `patches` pixel rows (3*1*2*2 values each) flattened across the rows and standing
+    for `tokens` placeholders."""
+    ids = _ids(vocab=V - 5, length=T + tokens + 2)
     ids[:, 1] = V - 2
-    ids[:, 2 : 2 + n] = IMAGE_TOKEN
-    ids[:, 2 + n] = V - 3
-    pixels = torch.cat([_float((n, 3 * 1 * 2 * 2), seed=4 + i) for i in range(B)])
+    ids[:, 2 : 2 + tokens] = IMAGE_TOKEN
+    ids[:, 2 + tokens] = V - 3
+    pixels = torch.cat([_float((patches, 3 * 1 * 2 * 2), seed=4 + i) for i in range(B)])
     return {
         "input_ids": ids,
         "pixel_values": pixels,
         "image_grid_thw": torch.tensor([[1, 4, 4]] * B),
         "mm_token_type_ids": (ids == IMAGE_TOKEN).long(),
+        **{name: make(ids) for name, make in extra.items()},
     }
+
+
+def qwen2_vl_pixels(model):
+    return _grid_pixels(16, 16)  # merge 1: a token per patch
+
+
+def merged_vlm_pixels(model):
+    # merge 2: a token per 2 x 2 patches. The processor's attention_mask is passed, as a user's
+    # batch has it: without one, transformers 4.57's Qwen3-VL reads its text positions as packed
+    # sequences wherever no cache is built, so checkpointing (which turns the cache off) changes
+    # its attention (masking_utils.py: find_packed_sequence_indices)
+    return _grid_pixels(4, 16, attention_mask=torch.ones_like)
 
 
 # ---- what is frozen in the partially frozen set-up: the input front ----------------------------------
@@ -416,27 +433,6 @@ def qwen2_vl_pixels(model):
 def freeze_input_embeddings(model):
     for p in model.get_input_embeddings().parameters():
         p.requires_grad_(False)
-
-
-def merged_vlm_pixels(model):
-    # one 4x4-patch image per row (patch 2, merge 2): 16 pixel rows, 4 placeholder tokens; the
-    # processor's attention_mask passed, as a user's batch has it: without one, transformers 4.57's
-    # Qwen3-VL reads its text positions as packed sequences wherever no cache is built, so any
-    # checkpointing (which turns the cache off) changes its attention (masking_utils.py:
-    # find_packed_sequence_indices)
-    n = 4
-    ids = _ids(vocab=V - 5, length=T + n + 2)
-    ids[:, 1] = V - 2
-    ids[:, 2 : 2 + n] = IMAGE_TOKEN
-    ids[:, 2 + n] = V - 3
-    pixels = torch.cat([_float((16, 3 * 1 * 2 * 2), seed=4 + i) for i in range(B)])
-    return {
-        "input_ids": ids,
-        "pixel_values": pixels,
-        "image_grid_thw": torch.tensor([[1, 4, 4]] * B),
-        "mm_token_type_ids": (ids == IMAGE_TOKEN).long(),
-        "attention_mask": torch.ones_like(ids),
-    }
 
 
 def freeze_named(*prefixes):
