@@ -25,13 +25,12 @@ import families as f
 import torch
 
 STEPS = 3
-POSITIONS = [False]  # --positions
 
 
-def inputs(model, path) -> dict:
+def inputs(model, path, positions: bool) -> dict:
     """The family's inputs; a Qwen VLM's with its position_ids under --positions."""
     kwargs = path(model)
-    if POSITIONS[0] and "image_grid_thw" in kwargs:
+    if positions and "image_grid_thw" in kwargs:
         rope_index = model.model.get_rope_index
         taken = inspect.signature(rope_index).parameters  # 5.x added mm_token_type_ids
         names = ("input_ids", "image_grid_thw", "mm_token_type_ids")
@@ -39,29 +38,29 @@ def inputs(model, path) -> dict:
     return kwargs
 
 
-def train(name: str, checkpointing: bool) -> list[dict]:
+def train(name: str, checkpointing: bool, positions: bool) -> list[dict]:
     """Each step's trainable gradients (the same inputs every step, SGD in between)."""
     model = f.build(name)
     if checkpointing:
         f.enable(model)
     model.train()
-    path = {**f.FAMILIES, **f.MERGED_VLMS}[name][2]
+    path = f.BUILT[name][2]
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     grads = []
     for _ in range(STEPS):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(5)
-        output = model(**inputs(model, path))
+        output = model(**inputs(model, path, positions))
         f._first_float(output).float().pow(2).mean().backward()
         grads.append(c.trainable_grads(model))
         optimizer.step()
     return grads
 
 
-def family(name: str) -> dict:
-    reference = train(name, checkpointing=False)
+def family(name: str, positions: bool) -> dict:
+    reference = train(name, checkpointing=False, positions=positions)
     try:
-        got = train(name, checkpointing=True)
+        got = train(name, checkpointing=True, positions=positions)
     except Exception as exc:  # noqa: BLE001 (reported per family)
         traceback.print_exc()
         return {"error": f"{type(exc).__name__}: {exc}"[:300], "wrong": None}
@@ -75,8 +74,7 @@ def main() -> None:
     parser.add_argument("families", nargs="*", default=list(f.FAMILIES))
     args = parser.parse_args()
     f.B = args.rows
-    POSITIONS[0] = args.positions
-    families = {name: family(name) for name in args.families}
+    families = {name: family(name, args.positions) for name in args.families}
     c.emit(
         {
             "scenario": "budget_families",

@@ -517,6 +517,8 @@ MERGED_VLMS = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl, merged_vlm_pixels),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", _qwen3_vl, merged_vlm_pixels),
 }
+# every model this script builds, by name: the table's and those beside it
+BUILT = {**FAMILIES, **MERGED_VLMS}
 
 FREEZE = {
     "whisper": freeze_named(
@@ -546,7 +548,7 @@ PATH_NAMES = {
 
 def build(name):
     torch.manual_seed(0)
-    return {**FAMILIES, **MERGED_VLMS}[name][1]()
+    return BUILT[name][1]()
 
 
 def forward_backward(model, inputs):
