@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from gcpatch import lifetime, settings
+from gcpatch import lifetime, mrope_mask, settings
 from gcpatch.patching import Patcher
 
 if TYPE_CHECKING:
@@ -45,6 +45,10 @@ BUILTIN_POINTS: tuple[tuple[str, str, str, bool, Callable[[Any], bool] | None], 
     ("transformers", "transformers.training_args", "TrainingArguments.__post_init__", False, None),
     ("transformers", "transformers.configuration_utils", "PretrainedConfig.to_dict", False, None),
     ("transformers", _TF, "PreTrainedModel.save_pretrained", False, None),
+    *(
+        ("transformers", module, f"{name}.forward", False, mrope_mask.applies)
+        for module, name in mrope_mask.MODELS
+    ),
     ("peft", "peft.utils.other", "prepare_model_for_kbit_training", True, None),
     ("peft", "peft.peft_model", "PeftModel.__init__", False, None),
     ("peft", "transformers.integrations.peft", "PeftAdapterMixin.add_adapter", False, None),
@@ -72,12 +76,14 @@ BUILTIN_POINTS: tuple[tuple[str, str, str, bool, Callable[[Any], bool] | None], 
 # process that never checkpoints keeps torch.autograd's own functions.
 LOAD_TIME_POINTS = frozenset({("torch.autograd", "grad"), ("torch.autograd", "backward")})
 
-# Points that act only on what a decision left (R6's use_cache in what is saved): a call through one
-# does not load the plugins (a script that only reads a config pays nothing).
+# Points that act only on what a decision left (R6's use_cache in what is saved, X6's mask): a call
+# through one does not load the plugins (a script that only reads a config pays nothing).
 QUIET_POINTS = frozenset(
     {
         ("transformers.configuration_utils", "PretrainedConfig.to_dict"),
         ("transformers.modeling_utils", "PreTrainedModel.save_pretrained"),
+        # X6 acts only on a model whose checkpointing an enable (which loads them) switched on
+        *((module, f"{name}.forward") for module, name in mrope_mask.MODELS),
     }
 )
 

@@ -119,6 +119,7 @@ BUILTIN_ONLY = {
         "transformers: its input-grads hooks re-applied after an upstream rebuild (R2)"
     ),
     "gcpatch.context": "transformers: the Trainer whose train() is running (X3)",
+    "gcpatch.mrope_mask": "transformers: the Qwen3 multimodal text models' mask of ones (X6)",
     "gcpatch.checkpoint_call": "torch: the checkpoint-call decision itself (CK1-CK5)",
     "gcpatch.reentrant_grads": "torch: gradients asked for through reentrant checkpoints (CK6)",
     "gcpatch.agreement": "ddp: the rank agreement at DDP construction (R4)",

@@ -1,5 +1,6 @@
 """transformers: both API generations (X1), the Trainer's re-enable (X3), and the rules that
-hold without PEFT (R1, R2, R5, R6).
+hold without PEFT (R1, R2, R5, R6; X6: a mask of ones where a Qwen3 multimodal text model would
+read its images as packed sequences).
 
 Patch points, proved per version by tests/process/test_patch_points.py:
 - 4.x: `PreTrainedModel.gradient_checkpointing_enable`, the only entry; the Trainer calls it.
@@ -9,6 +10,7 @@ Patch points, proved per version by tests/process/test_patch_points.py:
   wrapping a layer's `forward` would switch checkpointing off (`is_outermost`), so neither is done.
 - the disable of each generation, to undo what gcpatch added.
 - `Trainer.train`, to know that an enable call is the Trainer's re-enable (X3).
+- X6 (4.57-5.2): the Qwen3 multimodal text models' `forward` (gcpatch/mrope_mask.py).
 - `TrainingArguments.__post_init__`, to remember which checkpoint kwargs the user set, so a
   value a framework writes in later (TRL's T1/T2) is not taken for the user's ask.
 """
@@ -20,7 +22,7 @@ import functools
 import sys
 from typing import Any
 
-from gcpatch import apply, context
+from gcpatch import apply, context, mrope_mask
 from gcpatch.plugin import (
     EVAL_MODE_FIX,
     INPUT_GRADS_HOOK,
@@ -127,6 +129,18 @@ RULES = (
         " check_model_inputs; 5.24.0 utils/generic.py merge_with_config_defaults,"
         " modeling_layers.py; Axolotl A5",
     ),
+    Rule(
+        "X6",
+        "Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3-Omni text models, given no attention mask and"
+        " no cache (checkpointing and R6 turn it off), read the multimodal rope's temporal row as"
+        " packed sequences, one per image, and change every gradient; gcpatch hands such a"
+        " forward of a checkpointing model an attention mask of ones, the causal mask a cached"
+        " forward gets (a packing collator's 2-D position_ids are left as given)",
+        "transformers#44158 (fixed in 5.3.0); 4.57.6 models/qwen3_vl/modeling_qwen3_vl.py"
+        " Qwen3VLTextModel.forward, masking_utils.py find_packed_sequence_indices",
+        mrope_mask.RELEASES,
+        documents=True,  # a patch point acts on the forward's call; no knob is voted
+    ),
 )
 
 INFO = PluginInfo(
@@ -199,6 +213,16 @@ def gcpatch_patch_points() -> list[PatchPoint]:
             "TrainingArguments.__post_init__",
             _training_args_post_init,
             why="remember the user's own checkpoint kwargs before a trainer adds to them",
+        ),
+        *(
+            PatchPoint(
+                module,
+                f"{name}.forward",
+                mrope_mask.masked,
+                applies=mrope_mask.applies,
+                why="X6: a mask of ones where no cache would read images as packed sequences",
+            )
+            for module, name in mrope_mask.MODELS
         ),
         PatchPoint(
             "transformers.configuration_utils",

@@ -421,9 +421,9 @@ def qwen2_vl_pixels(model):
 
 def merged_vlm_pixels(model):
     # merge 2: a token per 2 x 2 patches. The processor's attention_mask is passed, as a user's
-    # batch has it: without one, transformers 4.57's Qwen3-VL reads its text positions as packed
-    # sequences wherever no cache is built, so checkpointing (which turns the cache off) changes
-    # its attention (masking_utils.py: find_packed_sequence_indices)
+    # batch has it (without one, transformers 4.57-5.2's Qwen3-VL reads its images as packed
+    # sequences wherever no cache is built, which checkpointing turns off; gcpatch's X6 hands it
+    # a mask of ones there: integration/test_mrope_mask.py)
     return _grid_pixels(4, 16, attention_mask=torch.ones_like)
 
 

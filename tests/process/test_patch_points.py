@@ -169,14 +169,18 @@ def test_points_armed_by_name_are_the_plugins_own(tmp_path):
             for p in getattr(plugin, "gcpatch_patch_points", lambda: [])():
                 declared.add((ep.name, p.module, p.target, p.copies))
                 if p.module.startswith("transformers"):
-                    module = importlib.import_module(p.module)
+                    try:
+                        module = importlib.import_module(p.module)
+                    except ModuleNotFoundError:  # a model this release does not have (X6)
+                        continue
                     applies.append([p.target, p.applies(module)])
         armed = {point[:4] for point in engine.BUILTIN_POINTS}
         load_time = engine.LOAD_TIME_POINTS <= {(p[1], p[2]) for p in declared}
         declared = {p for p in declared if (p[1], p[2]) not in engine.LOAD_TIME_POINTS}
         tests = {(m, t): a for _, m, t, _, a in engine.BUILTIN_POINTS}
         armed_applies = [[t, tests[(m, t)] is None or tests[(m, t)](sys.modules[m])]
-                         for m, t in [(p[1], p[2]) for p in sorted(declared)] if m.startswith("transformers")]
+                         for m, t in [(p[1], p[2]) for p in sorted(declared)]
+                         if m.startswith("transformers") and m in sys.modules]
         print("RESULT " + json.dumps({"load_time": load_time, "only_declared": sorted(map(list, declared - armed)),
                                       "only_armed": sorted(map(list, armed - declared)),
                                       "applies": sorted(applies), "armed_applies": sorted(armed_applies)}))

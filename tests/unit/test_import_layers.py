@@ -62,6 +62,7 @@ LAYERS = (
             "record",
             "crash_notes",
             "reentrant_grads",
+            "mrope_mask",
         },
     ),
     ("plugin runtime", {"patching", "deadline", "plugin_scan", "manager", "engine"}),

@@ -31,6 +31,7 @@ PROCESS = {
     "import_hooks._lock": "the lock around the waiting hooks",
     "lifetime._resets": "the registry of resets itself",
     "manager._said": "what this process said about plugin ranges: a release does not change",
+    "mrope_mask._names": "a forward's parameter names per class: a fact of the class",
     "step.invisible._running": "passes in progress: back to 0 when each ends",
 }
 # Owned by engine.stop() itself (it ends the activation).
@@ -51,6 +52,7 @@ ACTIVATION = {
     "context._models",
     "context._instances",
     "crash_notes._installed",
+    "mrope_mask._said",
     "record._history",
     "record._last_of",
     "record._unwritable",
