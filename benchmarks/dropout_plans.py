@@ -10,7 +10,9 @@ its measured cost decides how many layers the plan keeps that way and how many i
 whole. The first step plans under GCPATCH_MEMORY_BUDGET=0.5; then the model's checkpointing is
 disabled (gcpatch leaves a disabled model alone) and each plan is set on the layers by hand:
 gcpatch's own, every layer keeping its matmuls (no matmul recomputed), 2 whole and 5 keeping (a
-quarter of full checkpointing's matmul FLOPs), every layer with its feed-forward block alone
+quarter of full checkpointing's matmul FLOPs), two plans the planner chose on other runs (1 whole,
+5 keeping, 1 plain, 1 feed-forward: 0.17 of the FLOPs; 3 whole, 1 keeping, 4 feed-forward: 0.54),
+every layer with its feed-forward block alone
 checkpointed (what that lever sheds where the attention's tensors dominate), full checkpointing
 and none. Steps alternate plan by plan, `--rounds`
 times; each is timed in the thread's CPU time on one compute thread (other jobs on a shared machine
@@ -40,6 +42,11 @@ PLANS = {
     "keeping every layer's matmuls": ["keep-matmuls"] * LAYERS,
     "2 whole, 5 keeping, 1 plain": ["full", "keep-matmuls", "keep-matmuls", "plain"]
     + ["full", "keep-matmuls", "keep-matmuls", "keep-matmuls"],
+    "1 whole, 5 keeping, 1 plain, 1 feed-forward": ["full", "keep-matmuls", "feed-forward"]
+    + ["keep-matmuls"] * 4
+    + ["plain"],
+    "3 whole, 1 keeping, 4 feed-forward": ["full", "keep-matmuls", "full", "feed-forward"]
+    + ["feed-forward", "full", "feed-forward", "feed-forward"],
     "every layer's feed-forward block alone": ["feed-forward"] * LAYERS,
     "full checkpointing": ["full"] * LAYERS,
     "no checkpointing": ["plain"] * LAYERS,

@@ -29,10 +29,12 @@ keeping the matmuls of every layer holds too much, and keeping the attention out
 a whole layer's recompute on this CPU, half its FLOPs) or the MLP alone takes the place of whole
 layers. With dropout CPU attention runs unfused (softmax and dropout over tokens x tokens,
 recomputed by the matmul lever; no kernel for the attention lever to keep), keeping has cost
-0.55-0.75 of a whole layer on a quiet machine and up to 1.4 on a loaded one; above about 0.7 the
+0.55-0.78 of a whole layer on a quiet machine and up to 1.4 on a loaded one; above about 0.7 the
 cheapest plan in time checkpoints more layers whole (0.54-0.56 of the FLOPs at 0.75); there the
-FLOPs are only what its modes say (benchmarks/DROPOUT_PLANS.md times those plans against ones
-recomputing fewer FLOPs)."""
+FLOPs are only what its modes say. benchmarks/DROPOUT_PLANS.md times those plans against ones
+recomputing fewer FLOPs on whole steps: there every layer keeping its matmuls cost more than full
+checkpointing, and the plans at 0.17 and 0.25 of the FLOPs 0.90 of its overhead, against 0.51 for
+the plan chosen."""
 
 from __future__ import annotations
 
