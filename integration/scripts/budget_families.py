@@ -9,7 +9,7 @@ usage: budget_families.py [--rows N] [--positions] [FAMILY ...]     prints one l
   --rows: the batch's rows (the table's 2 by default); Qwen2-VL's images come flattened across
           them (pixel_values with image_grid_thw)
   FAMILY: the table's, or a VLM beside it whose vision tower merges patches (families.py
-          MERGED_VLMS: qwen2_5_vl, qwen3_vl)
+          MERGED_VLMS: qwen2_5_vl, qwen3_vl, qwen3_vl_moe)
   --positions: the Qwen VLMs get their multimodal RoPE position_ids (sections x rows x tokens, from
           the model's own get_rope_index) passed in, as a packing collator passes them
 """

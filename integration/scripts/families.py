@@ -289,14 +289,20 @@ def _qwen2_vl():
     return Qwen2VLForConditionalGeneration(config)
 
 
-def _merged_vlm(config_cls, model_cls, rope):
+def _merged_vlm(config_cls, model_cls, rope, **text_extra):
     """A Qwen2-VL successor whose vision tower merges 2 x 2 patches into one token (the released
-    models' spatial_merge_size): four pixel rows per placeholder token."""
+    models' spatial_merge_size): four pixel rows per placeholder token. `text_extra`: the text
+    model's own keys (a MoE's experts)."""
 
     def build():
         import transformers
 
-        text = {**LM, "rope_scaling": {"type": "mrope", **rope}, "rope_parameters": {**rope}}
+        text = {
+            **LM,
+            "rope_scaling": {"type": "mrope", **rope},
+            "rope_parameters": {**rope},
+            **text_extra,
+        }
         config = getattr(transformers, config_cls)(
             text_config=text,
             vision_config=dict(
@@ -325,6 +331,15 @@ MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000
 _qwen2_5_vl = _merged_vlm("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", MROPE)
 _qwen3_vl = _merged_vlm(
     "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {**MROPE, "mrope_interleaved": True}
+)
+_qwen3_vl_moe = _merged_vlm(
+    "Qwen3VLMoeConfig",
+    "Qwen3VLMoeForConditionalGeneration",
+    {**MROPE, "mrope_interleaved": True},
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    decoder_sparse_step=1,
 )
 
 
@@ -512,10 +527,12 @@ FAMILIES = {
 }
 
 # Beside the table (its rows and generated doc stay as they are): VLMs whose vision tower merges
-# patches, for the budget's cut of flattened images (scripts/budget_families.py).
+# patches, for the budget's cut of flattened images (scripts/budget_families.py) and X6's mask
+# (scripts/mrope_mask.py).
 MERGED_VLMS = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl, merged_vlm_pixels),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", _qwen3_vl, merged_vlm_pixels),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe, merged_vlm_pixels),
 }
 # every model this script builds, by name: the table's and those beside it
 BUILT = {**FAMILIES, **MERGED_VLMS}

@@ -26,44 +26,6 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def qwen3_vl_moe():
-    import transformers
-
-    rope = {**families.MROPE, "mrope_interleaved": True}
-    text = {
-        **families.LM,
-        "rope_scaling": {"type": "mrope", **rope},
-        "rope_parameters": {**rope},
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "decoder_sparse_step": 1,
-    }
-    config = transformers.Qwen3VLMoeConfig(
-        text_config=text,
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=4,
-            patch_size=2,
-            spatial_merge_size=2,
-            temporal_patch_size=1,
-            in_channels=3,
-            out_hidden_size=32,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0],
-        ),
-        **families.VL_TOKENS,
-    )
-    return transformers.Qwen3VLMoeForConditionalGeneration(config)
-
-
-def build(name):
-    torch.manual_seed(0)
-    return qwen3_vl_moe() if name == "qwen3_vl_moe" else families.BUILT[name][1]()
-
-
 def loss_of(model, batch):
     torch.manual_seed(5)
     return model(**batch).logits.float().pow(2).mean()
@@ -82,7 +44,7 @@ def main():
         positions = torch.cat([torch.arange(half), torch.arange(length - half)])
         batch["position_ids"] = positions.expand(batch["input_ids"].shape[0], -1).clone()
 
-    model = build(args.model)
+    model = families.build(args.model)
     model.eval()
     with torch.no_grad():
         eval_reference = model(**batch).logits
