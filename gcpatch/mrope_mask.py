@@ -52,11 +52,12 @@ def applies(module: Any) -> bool:
 def masked(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """The text model's forward (wrapt's protocol), with a mask of ones where checkpointing would
     have it read the rope's temporal row as packed sequences."""
+    if not getattr(instance, "gradient_checkpointing", False):
+        return wrapped(*args, **kwargs)  # every forward of a model not checkpointing: as called
     call = _arguments(wrapped, instance, args, kwargs)
     positions = call.get("position_ids")
     if not (
-        getattr(instance, "gradient_checkpointing", False)
-        and call.get("attention_mask") is None
+        call.get("attention_mask") is None
         and call.get("past_key_values") is None
         and getattr(positions, "ndim", 0) == 3
         and positions.shape[0] == 3

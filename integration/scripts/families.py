@@ -258,17 +258,17 @@ VL_TOKENS = dict(
 )
 
 
+# the Qwen VLMs' multimodal rope: temporal, height and width sections of a head's dimensions
+MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+
+
 def _qwen2_vl():
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     text = {
         **LM,
         "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
-        "rope_parameters": {
-            "rope_type": "default",
-            "mrope_section": [1, 1, 2],
-            "rope_theta": 10000.0,
-        },
+        "rope_parameters": {**MROPE},
     }
     config = Qwen2VLConfig(
         text_config=text,
@@ -327,7 +327,6 @@ def _merged_vlm(config_cls, model_cls, rope, **text_extra):
     return build
 
 
-MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
 _qwen2_5_vl = _merged_vlm("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", MROPE)
 _qwen3_vl = _merged_vlm(
     "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {**MROPE, "mrope_interleaved": True}
