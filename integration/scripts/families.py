@@ -340,6 +340,19 @@ _qwen3_vl_moe = _merged_vlm(
     moe_intermediate_size=32,
     decoder_sparse_step=1,
 )
+# Qwen3.5: linear-attention (gated delta rule, torch's fallback on a CPU) and full-attention layers
+_qwen3_5 = _merged_vlm(
+    "Qwen3_5Config",
+    "Qwen3_5ForConditionalGeneration",
+    {**MROPE, "mrope_interleaved": True, "partial_rotary_factor": 1.0},
+    head_dim=8,
+    partial_rotary_factor=1.0,
+    layer_types=["linear_attention", "full_attention"],
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 
 
 def _lora():
@@ -532,6 +545,7 @@ MERGED_VLMS = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl, merged_vlm_pixels),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", _qwen3_vl, merged_vlm_pixels),
     "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe, merged_vlm_pixels),
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", _qwen3_5, merged_vlm_pixels),
 }
 # every model this script builds, by name: the table's and those beside it
 BUILT = {**FAMILIES, **MERGED_VLMS}
