@@ -1,4 +1,4 @@
-"""X6: Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 trained on an image batch without an attention_mask
+"""X6: Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE trained on an image batch without an attention_mask
 (scripts/mrope_mask.py). On transformers 4.57-5.2 their text model, given no mask and no cache,
 builds its causal mask from the multimodal rope's temporal row, and masking_utils reads each
 image's still positions as a new packed sequence (transformers#44158, fixed in 5.3.0).
@@ -8,8 +8,8 @@ such a forward a mask of ones: gradients and evaluation logits as without checkp
 one line. A packing collator's 2-D position_ids are the user's packing: left as given, the
 checkpointed gradients are plain's to the bit. On 5.3 and later nothing is patched and both runs
 are exact. Qwen3.5 is in CI on 5.24 only; on 5.2.0, its one affected release, a venv with
-transformers==5.2.0 beside torch 2.13 runs this file as it is (7 passed: plain 47 of 61 gradients
-wrong, gcpatch 0).
+transformers==5.2.0 beside torch 2.13 runs this file as it is (plain: 47 of Qwen3.5's 61 gradients
+wrong, 55 of its MoE's 69; gcpatch 0).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from packaging.version import Version
 SCRIPT = "mrope_mask.py"
 # Qwen3.5 (hybrid linear and full attention) came with transformers 5.2: a 4.x env skips it
 QWEN3_5 = importlib.util.find_spec("transformers.models.qwen3_5") is not None
-MODELS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5") if QWEN3_5 else ("qwen3_vl", "qwen3_vl_moe")
+MODELS = ("qwen3_vl", "qwen3_vl_moe") + (("qwen3_5", "qwen3_5_moe") if QWEN3_5 else ())
 PACKED = ("--model", "qwen3_vl", "--packed")
 RUNS = [Spec(SCRIPT, ("--model", name)) for name in MODELS] + [Spec(SCRIPT, PACKED)]
 OUT_OF_RANGE = "Qwen3-VL came with transformers 4.57" if TRANSFORMERS < Version("4.57") else ""
@@ -34,11 +34,12 @@ TEXT_MODEL = {
     "qwen3_vl": "Qwen3VLTextModel",
     "qwen3_vl_moe": "Qwen3VLMoeTextModel",
     "qwen3_5": "Qwen3_5TextModel",
+    "qwen3_5_moe": "Qwen3_5MoeTextModel",
 }
-TRAINABLE = {"qwen3_vl": 64, "qwen3_vl_moe": 64, "qwen3_5": 61}
-# of the trainable tensors, plain checkpointing changed: Qwen3-VL 64, the MoE 60 (4.57.6), Qwen3.5
-# 47 (5.2.0, the one affected release that has it; not in CI's matrix)
-PLAIN_WRONG = {"qwen3_vl": 50, "qwen3_vl_moe": 50, "qwen3_5": 40}
+TRAINABLE = {"qwen3_vl": 64, "qwen3_vl_moe": 64, "qwen3_5": 61, "qwen3_5_moe": 69}
+# of the trainable tensors, plain checkpointing changed: Qwen3-VL 64, its MoE 60 (4.57.6), Qwen3.5
+# 47, its MoE 55 (5.2.0, the one affected release that has them; not in CI's matrix)
+PLAIN_WRONG = {"qwen3_vl": 50, "qwen3_vl_moe": 50, "qwen3_5": 40, "qwen3_5_moe": 40}
 
 pytestmark = pytest.mark.skipif(bool(OUT_OF_RANGE), reason=OUT_OF_RANGE)
 

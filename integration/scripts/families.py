@@ -341,10 +341,8 @@ _qwen3_vl_moe = _merged_vlm(
     decoder_sparse_step=1,
 )
 # Qwen3.5: linear-attention (gated delta rule, torch's fallback on a CPU) and full-attention layers
-_qwen3_5 = _merged_vlm(
-    "Qwen3_5Config",
-    "Qwen3_5ForConditionalGeneration",
-    {**MROPE, "mrope_interleaved": True, "partial_rotary_factor": 1.0},
+QWEN3_5_ROPE = {**MROPE, "mrope_interleaved": True, "partial_rotary_factor": 1.0}
+QWEN3_5_TEXT = dict(
     head_dim=8,
     partial_rotary_factor=1.0,
     layer_types=["linear_attention", "full_attention"],
@@ -352,6 +350,19 @@ _qwen3_5 = _merged_vlm(
     linear_value_head_dim=8,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
+)
+_qwen3_5 = _merged_vlm(
+    "Qwen3_5Config", "Qwen3_5ForConditionalGeneration", QWEN3_5_ROPE, **QWEN3_5_TEXT
+)
+_qwen3_5_moe = _merged_vlm(
+    "Qwen3_5MoeConfig",
+    "Qwen3_5MoeForConditionalGeneration",
+    QWEN3_5_ROPE,
+    **QWEN3_5_TEXT,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
 )
 
 
@@ -546,6 +557,7 @@ MERGED_VLMS = {
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", _qwen3_vl, merged_vlm_pixels),
     "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe, merged_vlm_pixels),
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", _qwen3_5, merged_vlm_pixels),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", _qwen3_5_moe, merged_vlm_pixels),
 }
 # every model this script builds, by name: the table's and those beside it
 BUILT = {**FAMILIES, **MERGED_VLMS}

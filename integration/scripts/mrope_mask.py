@@ -1,4 +1,4 @@
-"""A tiny Qwen3-VL (or Qwen3-VL-MoE, or Qwen3.5) trained on an image batch that carries no
+"""A tiny Qwen3-VL (or Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) trained on an image batch that carries no
 attention_mask, as a user's own batch may: input_ids, pixel_values and image_grid_thw. Ordinary
 user code: nothing here imports gcpatch.
 
@@ -9,7 +9,7 @@ the reference's own evaluation forward. On transformers 4.57-5.2, without a cach
 read the multimodal rope's temporal row as text positions and each image's still positions as a
 new packed sequence (transformers#44158).
 
-usage: mrope_mask.py [--model qwen3_vl|qwen3_vl_moe|qwen3_5] [--packed]
+usage: mrope_mask.py [--model qwen3_vl|qwen3_vl_moe|qwen3_5|qwen3_5_moe] [--packed]
   --packed: the batch also carries 2-D position_ids that restart halfway along each row, as a
             packing collator's do (no attention_mask): the user's packing, which the masks of
             the checkpointed run follow
@@ -34,7 +34,9 @@ def loss_of(model, batch):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--model", default="qwen3_vl", choices=("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+        "--model",
+        default="qwen3_vl",
+        choices=("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
     )
     parser.add_argument("--packed", action="store_true")
     args = parser.parse_args()
