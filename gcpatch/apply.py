@@ -55,8 +55,9 @@ class ModelState:
         self.input_hooks: list[Any] = []
         # R2/X2 asked for a hook on the embedding output (transformers' or ours)
         self.embeddings_hook_wanted = False
-        # R5's one-shot pre-hooks: the model's and one per stack runner
-        self.first_forward: list[Any] = []
+        self.first_forward: list[
+            Any
+        ] = []  # R5's one-shot pre-hooks: the model's, one per stack runner
         self.eval_fixed: list[tuple[Any, Any]] = []
         # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
         self.mode_sync: list[Any] = []
