@@ -1,5 +1,5 @@
-"""X6: Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE trained on an image batch without an attention_mask
-(scripts/mrope_mask.py). On transformers 4.57-5.2 their text model, given no mask and no cache,
+"""X6: Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE trained on an image batch without an
+attention_mask (scripts/mrope_mask.py). On transformers 4.57-5.2 their text model, given no mask and no cache,
 builds its causal mask from the multimodal rope's temporal row, and masking_utils reads each
 image's still positions as a new packed sequence (transformers#44158, fixed in 5.3.0).
 Checkpointing turns the cache off in a training forward, so plain checkpointing changes every

@@ -1,5 +1,5 @@
-"""A tiny Qwen3-VL (or Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) trained on an image batch that carries no
-attention_mask, as a user's own batch may: input_ids, pixel_values and image_grid_thw. Ordinary
+"""A tiny Qwen3-VL (or Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) trained on an image batch that carries
+no attention_mask, as a user's own batch may: input_ids, pixel_values and image_grid_thw. Ordinary
 user code: nothing here imports gcpatch.
 
 The reference is the same model without checkpointing (its forward builds a KV cache, so its
