@@ -1,6 +1,6 @@
 """X6: Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE trained on an image batch without an
-attention_mask (scripts/mrope_mask.py). On transformers 4.57-5.2 their text model, given no mask and no cache,
-builds its causal mask from the multimodal rope's temporal row, and masking_utils reads each
+attention_mask (scripts/mrope_mask.py). On transformers 4.57-5.2 their text model, given no mask
+and no cache, builds its causal mask from the multimodal rope's temporal row, and masking_utils reads each
 image's still positions as a new packed sequence (transformers#44158, fixed in 5.3.0).
 Checkpointing turns the cache off in a training forward, so plain checkpointing changes every
 gradient; R6 turns it off in the config, so an evaluation forward would change too. gcpatch hands
