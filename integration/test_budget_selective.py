@@ -12,13 +12,13 @@ measures by itself what the forward holds, the FLOPs recomputed (torch.utils.flo
 matmuls and attention, CPU's fused attention kernel counted with torch's own formula) and every
 gradient against the run without checkpointing, in a training loop without dropout and with
 attention dropout 0.1, and under transformers' Trainer on PEFT LoRA with attention and LoRA
-dropout 0.1, at budget 0.5; without dropout at 0.3, in bf16 at 0.15 (a plain forward lets each
-layer's input die there, a checkpoint keeps it), and under a 100 MiB size over batches whose
-length changes (each shape planned for itself, levers included). Which layers get which lever
-depends on the timings measured on this machine; what every plan must hold does not: the budget,
-exact gradients, a layer keeping its matmuls recomputing none of them, a layer keeping its
-attention output recomputing all but its attention, and a layer with its MLP alone checkpointed
-recomputing what that MLP does.
+dropout 0.1, at budget 0.5; without dropout at 0.3, in bf16 at 0.15 over 2 x 128 tokens (a plain
+forward lets each layer's input die there, a checkpoint keeps it), and under a 100 MiB size over
+batches whose length changes (each shape planned for itself, levers included). Which layers get
+which lever depends on the timings measured on this machine; what every plan must hold does not:
+the budget, exact gradients, a layer keeping its matmuls recomputing none of them, a layer keeping
+its attention output recomputing all but its attention, and a layer with its MLP alone
+checkpointed recomputing what that MLP does.
 
 Without dropout CPU attention is one fused kernel, and a layer keeping its matmuls costs about a
 fifth of a whole layer's recompute: at 0.5 the plan recomputes at most 0.35 of full
@@ -49,8 +49,20 @@ CASES = {
     "trainer-lora": ("--setup", "trainer", "--dropout", "0.1"),
     "tight": ("--dropout", "0", "--non-reentrant", "--budget", "0.3"),
     # bf16: a plain forward lets each layer's input die (its norm saves an fp32 copy), a checkpoint
-    # keeps it; counted as held by the checkpointed layers only, the plan ended 15-25% over
-    "bf16": ("--dropout", "0", "--non-reentrant", "--budget", "0.15", "--dtype", "bfloat16"),
+    # keeps it; counted as held by the checkpointed layers only, the plan ended 15-25% over. 128
+    # tokens: a CPU without bf16 matmul instructions (AVX2 alone) multiplies bf16 about 50x slower
+    # than float32 (2048x256 @ 256x688: 348 ms against 7), and 1024 tokens took 493 s there
+    "bf16": (
+        "--dropout",
+        "0",
+        "--non-reentrant",
+        "--budget",
+        "0.15",
+        "--dtype",
+        "bfloat16",
+        "--tokens",
+        "128,128,128",
+    ),
 }
 BUDGET = {"tight": 0.3, "bf16": 0.15}  # the others 0.5
 # the tight plan, with both levers, confirmed on the real step (GCPATCH_VERIFY)
@@ -99,10 +111,10 @@ def test_each_lever_recomputes_what_it_says(case):
     layer's less its attention kernel's (`attention_flops_share` of full checkpointing's
     recompute, the same in every layer), and for a layer run plain with its MLP alone checkpointed
     what every layer's MLP checkpointed by hand recomputes (`feed_forward_flops_share`: its gate
-    and up projections, about a third of a whole layer's). Under the Trainer with LoRA the step counted 0.027 (plan
-    of 3 whole layers) and 0.038 (1 whole layer) of full checkpointing's beyond that, from outside
-    the layers: one LoRA layer with dropout, kept alone, recomputes none. Either slack is far below
-    one layer's 0.125."""
+    and up projections, about a third of a whole layer's). Under the Trainer with LoRA the step
+    counted 0.027 (plan of 3 whole layers) and 0.038 (1 whole layer) of full checkpointing's beyond
+    that, from outside the layers: one LoRA layer with dropout, kept alone, recomputes none. Either
+    slack is far below one layer's 0.125."""
     name, run = case
     r = run.result
     whole = r["modes"].count("full")
