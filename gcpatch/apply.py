@@ -55,7 +55,9 @@ class ModelState:
         self.input_hooks: list[Any] = []
         # R2/X2 asked for a hook on the embedding output (transformers' or ours)
         self.embeddings_hook_wanted = False
-        self.first_forward: list[Any] = []  # R5's one-shot pre-hooks, one per stack runner
+        self.first_forward: list[
+            Any
+        ] = []  # R5's one-shot pre-hooks: the model's, one per stack runner
         self.eval_fixed: list[tuple[Any, Any]] = []
         # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
         self.mode_sync: list[Any] = []
@@ -402,14 +404,18 @@ def _user_mode(layer: Any) -> bool:
 
 
 def _arm_first_forward(model: Any, state: ModelState, callback: Callable[[Any], None]) -> None:
-    """One-shot pre-hooks on the modules that run the checkpointed blocks (`_runners`): R5 is
-    decided at the first forward that builds a graph, whichever path reaches the blocks, then the
-    hooks are gone (no per-step cost after the first step)."""
+    """One-shot pre-hooks on the model and on the modules that run the checkpointed blocks
+    (`_runners`): R5 is decided at the first forward that builds a graph, whichever path reaches
+    the blocks, then the hooks are gone (no per-step cost after the first step). The model's own
+    hook comes first where its `__call__` is the path: a head that reads `config.use_cache` before
+    its stacks run and hands them `use_cache=True` (transformers 5.2.0's
+    T5ForConditionalGeneration.forward, BART's and Whisper's) would otherwise keep its stacks out
+    of R5 and R6 on that forward, as if the user had asked for the cache."""
     if state.first_forward:
         return
     hook = _FirstForward(_Armed(model, callback, state.first_forward))
-    for runner in _runners(model):
-        state.first_forward.append(runner.register_forward_pre_hook(hook, with_kwargs=True))
+    for owner in [model, *(r for r in _runners(model) if r is not model)]:
+        state.first_forward.append(owner.register_forward_pre_hook(hook, with_kwargs=True))
 
 
 class _Armed:

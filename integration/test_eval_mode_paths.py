@@ -3,7 +3,10 @@ whichever path reaches its layers, because the eval-mode fix is armed on the mod
 checkpointed blocks, not on the model's own `__call__`. Calling `model.forward(...)` directly, or
 through a wrapper that calls the inner model's `forward` (peft <= 0.13's `BaseTuner.forward`, the
 path of ColossalAI's `booster.enable_lora`), bypasses the model's hooks: an R5 armed there never
-fires and the layers save as much as without checkpointing.
+fires and the layers save as much as without checkpointing. A head that reads `config.use_cache`
+before its stack runs (transformers 5.0-5.2's T5, BART and Whisper heads) hands the stack a cache
+asked for: an R5 armed on the stack alone stood aside there as for a user's own ask, so R5 is armed
+on the model too, and decides before the head reads the config (R6 switches the cache off first).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from _run import V5, Spec
 
 SCRIPT = "eval_mode_paths.py"
 RUNS = [Spec(SCRIPT)]
-PATHS = ("call", "forward", "tuner", "peft_first")
+PATHS = ("call", "forward", "tuner", "peft_first", "config_first")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -40,7 +43,7 @@ def test_plain_eval_mode_checkpoints_nothing_on_any_path(script_runs, path):
 def test_r5_is_recorded_once_per_model_on_the_direct_paths(script_runs):
     run = script_runs.get(SCRIPT, gcpatch=True)
     first = [r for r in run.records() if r.get("stage") == "first_forward"]
-    # one per eval-mode model with checkpointing (4 paths); the train-mode ones need no fix
+    # one per eval-mode model with checkpointing (one per path); the train-mode ones need no fix
     assert len(first) == len(PATHS), [r.get("model") for r in first]
     assert all(r["applied"]["eval_mode_fix"] == 2 for r in first), first
     # 5.x: R6 comes with R5 where a config has the cache on (transformers keeps it on in eval

@@ -6,7 +6,11 @@ bypasses the model's own `__call__`:
 - forward: `model.forward(...)` called directly;
 - tuner: a wrapper whose forward calls `inner.forward(...)`, as peft <= 0.13's `BaseTuner.forward`
   does (the path of ColossalAI's `booster.enable_lora` on transformers 4.51);
-- peft_first: checkpointing enabled on the base model, then `get_peft_model`.
+- peft_first: checkpointing enabled on the base model, then `get_peft_model`;
+- config_first: a head whose forward reads `config.use_cache` and hands its stack
+  `use_cache=True`, as transformers 5.0-5.2's T5, BART and Whisper heads do
+  (T5ForConditionalGeneration.forward, 5.2.0: `use_cache = use_cache if use_cache is not None
+  else self.config.use_cache`); the stack sees a cache asked for.
 
 For each: the bytes autograd saves in the forward against the same path in train mode, and the
 gradients against the eval-mode model without checkpointing. Nothing here imports gcpatch.
@@ -32,6 +36,21 @@ class Tuner(nn.Module):
         return self.model.forward(*args, **kwargs)
 
 
+def reads_config_first():
+    """A Llama head that resolves `use_cache` from its config before its stack runs."""
+    from transformers import LlamaForCausalLM
+
+    class ConfigFirstLlama(LlamaForCausalLM):
+        def forward(self, *args, use_cache=None, **kwargs):
+            use_cache = use_cache if use_cache is not None else self.config.use_cache
+            return super().forward(*args, use_cache=use_cache, **kwargs)
+
+    model = c.llama()
+    head = ConfigFirstLlama(model.config)
+    head.load_state_dict(model.state_dict())
+    return head
+
+
 def lora(model):
     from peft import LoraConfig, get_peft_model
 
@@ -49,7 +68,7 @@ def lora(model):
 
 
 def run(path, mode, checkpointing=True):
-    model = c.llama()
+    model = reads_config_first() if path == "config_first" else c.llama()
     getattr(model, mode)()
     if path == "peft_first":
         if checkpointing:
@@ -74,7 +93,7 @@ def run(path, mode, checkpointing=True):
 def main():
     warnings.filterwarnings("ignore")
     out = {}
-    for path in ("call", "forward", "tuner", "peft_first"):
+    for path in ("call", "forward", "tuner", "peft_first", "config_first"):
         ref_bytes, ref_grads, _ = run(path, "eval", checkpointing=False)
         eval_bytes, grads, model = run(path, "eval")
         train_bytes, _, _ = run(path, "train")

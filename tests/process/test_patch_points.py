@@ -115,10 +115,10 @@ def test_enabling_twice_leaves_one_hook_and_the_same_decision(tmp_path):
     )
     # one embedding-output hook in all (R2/X2: transformers' own where its enable installs one, which
     # 5.x does on every enable without removing the last, else gcpatch's); on the model one
-    # inputs_embeds hook (R2); on the decoder stack that runs the layers (m.model, also the base
-    # model) one inputs_embeds hook and one first-forward hook (R5).
+    # inputs_embeds hook (R2) and one first-forward hook (R5); on the decoder stack that runs the
+    # layers (m.model, also the base model) one inputs_embeds hook and one first-forward hook.
     assert result["embedding_hooks"] == 1
-    assert result["model_pre_hooks"] == 1
+    assert result["model_pre_hooks"] == 2
     assert result["runner_pre_hooks"] == 2
     assert result["same"] is True
     assert (
@@ -134,7 +134,8 @@ def test_first_forward_hook_is_gone_after_the_first_training_step(tmp_path):
 import json, torch
 m = tiny(); m.train()
 m.gradient_checkpointing_enable()
-# R5's first-forward hook sits on the stack's runner (R2's input-grads hooks stay: 4.x is reentrant)
+# R5's first-forward hooks sit on the model and the stack's runner (R2's input-grads hooks stay:
+# 4.x is reentrant)
 hooks = lambda: sum(type(h).__name__ == "_FirstForward" for mod in (m, m.model) for h in mod._forward_pre_hooks.values())
 before = hooks()
 ids = torch.randint(0, 64, (1, 8))
@@ -148,7 +149,7 @@ print("RESULT " + json.dumps([before, waiting, hooks()]))
             GCPATCH="1",
         )
     )
-    assert result == [1, 1, 0]  # a no_grad forward does not count as the first training step
+    assert result == [2, 2, 0]  # a no_grad forward does not count as the first training step
 
 
 def test_points_armed_by_name_are_the_plugins_own(tmp_path):
