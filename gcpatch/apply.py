@@ -55,9 +55,8 @@ class ModelState:
         self.input_hooks: list[Any] = []
         # R2/X2 asked for a hook on the embedding output (transformers' or ours)
         self.embeddings_hook_wanted = False
-        self.first_forward: list[
-            Any
-        ] = []  # R5's one-shot pre-hooks: the model's, one per stack runner
+        # R5's one-shot pre-hooks: the model's and one per stack runner
+        self.first_forward: list[Any] = []
         self.eval_fixed: list[tuple[Any, Any]] = []
         # R5's pre-hooks: layers checkpoint only in grad-enabled forwards
         self.mode_sync: list[Any] = []

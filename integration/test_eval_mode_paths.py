@@ -1,12 +1,13 @@
 """R5 wherever the forward goes (scripts/eval_mode_paths.py): a model left in eval mode checkpoints
 whichever path reaches its layers, because the eval-mode fix is armed on the module that runs the
-checkpointed blocks, not on the model's own `__call__`. Calling `model.forward(...)` directly, or
-through a wrapper that calls the inner model's `forward` (peft <= 0.13's `BaseTuner.forward`, the
-path of ColossalAI's `booster.enable_lora`), bypasses the model's hooks: an R5 armed there never
-fires and the layers save as much as without checkpointing. A head that reads `config.use_cache`
-before its stack runs (transformers 5.0-5.2's T5, BART and Whisper heads) hands the stack a cache
-asked for: an R5 armed on the stack alone stood aside there as for a user's own ask, so R5 is armed
-on the model too, and decides before the head reads the config (R6 switches the cache off first).
+checkpointed blocks, not only on the model's own `__call__`. Calling `model.forward(...)` directly,
+or through a wrapper that calls the inner model's `forward` (peft <= 0.13's `BaseTuner.forward`,
+the path of ColossalAI's `booster.enable_lora`), bypasses the model's hooks: an R5 armed there
+alone never fires and the layers save as much as without checkpointing. A head that reads
+`config.use_cache` before its stack runs (transformers 5.2.0's T5, BART and Whisper heads; 5.24's
+stacks read it themselves) hands the stack a cache asked for: an R5 armed on the stack alone stood
+aside there as for a user's own ask, so R5 is armed on the model too, and decides before the head
+reads the config (R6 switches the cache off first).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ bypasses the model's own `__call__`:
   does (the path of ColossalAI's `booster.enable_lora` on transformers 4.51);
 - peft_first: checkpointing enabled on the base model, then `get_peft_model`;
 - config_first: a head whose forward reads `config.use_cache` and hands its stack
-  `use_cache=True`, as transformers 5.0-5.2's T5, BART and Whisper heads do
+  `use_cache=True`, as transformers 5.2.0's T5, BART and Whisper heads do
   (T5ForConditionalGeneration.forward, 5.2.0: `use_cache = use_cache if use_cache is not None
   else self.config.use_cache`); the stack sees a cache asked for.
 
