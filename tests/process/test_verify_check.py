@@ -123,8 +123,8 @@ print("RESULT " + json.dumps({"waiting": waiting, "verified": len(verified), "ho
     )
     r = result_of(run_python(code, tmp_path, GCPATCH="1", GCPATCH_VERIFY="1"))
     assert r["waiting"] == 0 and r["verified"] == 1 and r["match"], r
-    # armed: the first step's hook on the model (R5's sits on the stack's runner); gone after step one
-    assert r["hooks_armed"] == ["_Before"] and r["hooks_after"] == [], r
+    # armed: the first step's hook on the model beside R5's one-shot one; both gone after step one
+    assert r["hooks_armed"] == ["_Before", "_FirstForward"] and r["hooks_after"] == [], r
 
 
 def test_verify_off_by_default_arms_nothing(tmp_path):
@@ -136,15 +136,13 @@ model = llama()
 model.gradient_checkpointing_enable()
 armed = root_pre_hooks(model)
 model(input_ids=ids, labels=ids).loss.backward()
-print("RESULT " + json.dumps({"hooks_armed": armed,
+print("RESULT " + json.dumps({"hooks_armed": armed, "hooks_after": root_pre_hooks(model),
                               "verified": len([e for e in gcpatch.decisions() if e.get("stage") == "verify"])}))
 """
     )
     r = result_of(run_python(code, tmp_path, GCPATCH="1"))
-    assert r == {
-        "hooks_armed": [],
-        "verified": 0,
-    }  # nothing on the model (R5's hook sits on the stack's runner)
+    # no verify hook: on the model only R5's one-shot first-forward hook, gone after step one
+    assert r == {"hooks_armed": ["_FirstForward"], "hooks_after": [], "verified": 0}
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("", False)])
