@@ -22,6 +22,8 @@ import functools
 import sys
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from gcpatch import apply, context, mrope_mask
 from gcpatch.plugin import (
     EVAL_MODE_FIX,
@@ -552,12 +554,20 @@ def _call(
 
 def _framework_default(asked: Any, v5: bool) -> dict[str, Any]:
     """What the framework runs with when the ask names no use_reentrant (X5): its enable's own
-    kwargs where nothing was asked (4.38-4.57 `{"use_reentrant": True}`, 5.x `{"use_reentrant":
-    False}`; 4.35-4.37 `{}`, torch's default), else torch's default for kwargs that name none
-    (torch/utils/checkpoint.py 2.13: `use_reentrant = True` when not passed, with a warning)."""
+    kwargs where nothing was asked (4.38-4.57 `{"use_reentrant": True}`, every 5.x
+    `{"use_reentrant": False}`; 4.35-4.37 `{}`, torch's default), else torch's default for kwargs
+    that name none (torch/utils/checkpoint.py 2.13: `use_reentrant = True` when not passed, with a
+    warning). The release decides, not the entry point: 5.0-5.22 still enable through
+    `gradient_checkpointing_enable` (the 4.x patch point) and already default to non-reentrant
+    (modeling_utils.py 5.0.0, 5.2.0, 5.22.2: `gradient_checkpointing_kwargs = {"use_reentrant":
+    False}`)."""
     version = installed_version("transformers") or ("5" if v5 else "4")
     if asked is None:
-        return {"default_use_reentrant": not v5, "default_from": f"transformers {version}"}
+        try:
+            reentrant = Version(version).major < 5
+        except InvalidVersion:
+            reentrant = not v5
+        return {"default_use_reentrant": reentrant, "default_from": f"transformers {version}"}
     if isinstance(asked, dict) and USE_REENTRANT not in asked:
         return {"default_use_reentrant": True, "default_from": "torch"}
     return {}
