@@ -61,7 +61,8 @@ def test_tox_ci_slice_uses_the_table_pairs():
         assert pins == {k: row[k] for k in ("transformers", "peft", "trl", "accelerate")}, env
         pinned.add(pins["transformers"])
     oldest = next(r for r in ROWS if r["status"] != "unsupported")["transformers"]
-    assert pinned == {oldest, "4.57.6", ROWS[-1]["transformers"]}  # CI: oldest, 4.57, newest
+    # CI: the oldest, 4.57, 5.2 (5.x through the 4.x entry point) and the newest
+    assert pinned == {oldest, "4.57.6", "5.2.0", ROWS[-1]["transformers"]}
 
 
 def test_committed_results_table_is_the_rendered_results():
