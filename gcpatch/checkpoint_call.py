@@ -250,13 +250,16 @@ def _pytree() -> Any:
 
 def _eager_under_dynamo(eval_frame: Any) -> None:
     """Post-import hook of `torch._dynamo.eval_frame`: the decision's own frames (the patch point's
-    wrapper, `run`, the checkpointed function's marker) run eagerly when torch.compile meets them as
-    fresh frames, as it does torch's own `checkpoint` frame. A compiled frame given back to eager
-    (FSDP2's hooks, transformers 4.x's logging) then calls them eagerly, gcpatch decides as usual,
-    and dynamo goes on with the checkpointed function's frames as without gcpatch, instead of
-    tracing gcpatch's frames into its checkpoint operator and breaking there once more per layer.
-    Inlined into a frame dynamo traces, they are traced as before (a skipped code object is only
-    skipped as a fresh frame)."""
+    wrapper and guard, `run`, the checkpointed function's marker) run eagerly when torch.compile
+    meets them as fresh frames, as it does torch's own `checkpoint` frame. A compiled frame given
+    back to eager (FSDP2's hooks, transformers 4.x's logging) then calls them eagerly, gcpatch
+    decides as usual, and dynamo goes on with the checkpointed function's frames as without
+    gcpatch, instead of tracing gcpatch's frames into its checkpoint operator and breaking there
+    once more per layer. Inlined into a frame dynamo traces, they are traced as before (a skipped
+    code object is only skipped as a fresh frame). A fresh `run` runs eagerly with every frame it
+    calls, as torch's own checkpoint does (`torch._disable_dynamo`): traced as fresh frames, its
+    decision's helpers broke at the decision's context variable (transformers 5.2's compiled FSDP2
+    step: one graph break more than plain) and its RNG snapshot compiled graphs of its own."""
     skip_code = getattr(eval_frame, "skip_code", None)
     if skip_code is None:
         log.info(
@@ -266,14 +269,14 @@ def _eager_under_dynamo(eval_frame: Any) -> None:
         return
     try:
         for code in (
-            patching.FUNCTION_WRAPPER_CODE,
-            run.__code__,
+            *patching.GUARD_CODES,
             _checkpoint.__code__,
             _checked_result.__code__,
             _inside_checkpoint(len).__code__,
             *call_rewrites.codes(),
         ):
             skip_code(code)
+        (_skipper_with_callees(eval_frame) or skip_code)(run.__code__)
     except Exception as exc:  # noqa: BLE001 - inside the host's import of torch._dynamo: never raise there
         log.warning(
             "gcpatch: could not mark its checkpoint frames for torch.compile (%s: %s); a checkpoint"
@@ -281,6 +284,18 @@ def _eager_under_dynamo(eval_frame: Any) -> None:
             type(exc).__name__,
             exc,
         )
+
+
+def _skipper_with_callees(eval_frame: Any) -> Callable[[Any], None] | None:
+    """Dynamo's strategy that skips a code object's fresh frames and every frame they call
+    (torch._dynamo.types' FrameExecStrategy), or None where this torch has none."""
+    kinds = sys.modules.get("torch._dynamo.types")
+    strategy = getattr(kinds, "FrameExecStrategy", None)
+    action = getattr(kinds, "FrameAction", None)
+    set_strategy = getattr(eval_frame, "set_code_exec_strategy", None)
+    if strategy is None or action is None or set_strategy is None:
+        return None
+    return lambda code: set_strategy(code, strategy(action.SKIP, action.SKIP))
 
 
 def _compiling() -> bool:

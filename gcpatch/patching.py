@@ -411,6 +411,9 @@ def _stands_for(
 # The one code object of every plain-function wrapper: torch.compile may be told to run its fresh
 # frames eagerly (gcpatch.checkpoint_call), which leaves inlining it into a traced frame as it is.
 FUNCTION_WRAPPER_CODE = _function_wrapper(len, _passthrough).__code__
+# The frames between a patched function's caller and its plugin's wrapper: the wrapper, and the
+# guard of a point armed before the plugins load (torch's checkpoint and its copies).
+GUARD_CODES = (FUNCTION_WRAPPER_CODE, _Deferred.__call__.__code__)
 
 
 def _runs(current: Any, wrapper: Any) -> bool:

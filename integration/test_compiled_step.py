@@ -46,7 +46,10 @@ def test_a_compiled_fsdp2_step_is_exact_and_breaks_no_more_than_plain(script_run
     above the frozen embedding get no gradient there (R1); with gcpatch every one is exact. gcpatch's
     own frames run eagerly when dynamo meets them fresh (checkpoint_call._eager_under_dynamo): traced
     into dynamo's checkpoint operator instead, they broke once more per layer on 4.57 (6 against
-    plain's 4)."""
+    plain's 4). On 5.2 a layer's frame given back to eager calls the checkpoint there, and dynamo
+    met the point's guard and then the decision's helpers as fresh frames: one break more (5
+    against plain's 4). Now a fresh `run` runs eagerly with all it calls, as torch's checkpoint
+    does."""
     gc = script_runs.get(FSDP2, gcpatch=True, launcher="torchrun2")
     plain = script_runs.get(FSDP2, gcpatch=False, launcher="torchrun2")
     assert_installed_gcpatch_ran(gc)

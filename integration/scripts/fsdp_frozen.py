@@ -101,6 +101,11 @@ emit(
         "world": dist.get_world_size(),
         "error": error,
         "model_class": type(model).__name__,
+        # accelerate 1.15 wraps each decoder layer, 1.12 each of its children; fully_shard
+        # renames a sharded module's class (FSDPCheckpointWrapper), its bases stay
+        "checkpoint_wrappers": sum(
+            any(c.__name__ == "CheckpointWrapper" for c in type(m).__mro__) for m in model.modules()
+        ),
         "forward_all_gathers": forward_gathers,
         "backward_all_gathers": gathers[0] - forward_gathers,
         "applied_use_reentrant": (getattr(func, "keywords", None) or {}).get(

@@ -18,7 +18,8 @@ from gcpatch import checkpoint_call, patching  # noqa: E402
 def test_each_frame_gcpatch_decides_in_is_handed_to_dynamo(caplog):
     handed = []
     checkpoint_call._eager_under_dynamo(types.SimpleNamespace(skip_code=handed.append))
-    assert handed[0] is patching.FUNCTION_WRAPPER_CODE and handed[1] is checkpoint_call.run.__code__
+    assert handed[:2] == list(patching.GUARD_CODES)
+    assert handed[-1] is checkpoint_call.run.__code__  # no strategy for its callees: itself alone
     assert not caplog.records
     # every gcpatch frame between a checkpoint call and the user's function, with each rewrite of
     # the call (as made, an input that requires grad, lifted tensors, a result through a tuple)
@@ -53,6 +54,26 @@ def test_each_frame_gcpatch_decides_in_is_handed_to_dynamo(caplog):
         engine.stop()
         checkpoint_call.reset()
     assert seen and seen <= set(handed), sorted(c.co_name for c in seen - set(handed))
+
+
+def test_a_fresh_run_frame_skips_every_frame_it_calls():
+    """As torch's own checkpoint (`torch._disable_dynamo`): traced as fresh frames, the decision's
+    helpers broke the graph once more than plain (a compiled FSDP2 step on transformers 5.2,
+    integration/test_compiled_step.py)."""
+    from torch._dynamo import eval_frame
+    from torch._dynamo.types import FrameAction
+
+    skipped, strategies = [], {}
+    checkpoint_call._eager_under_dynamo(
+        types.SimpleNamespace(
+            skip_code=skipped.append,
+            set_code_exec_strategy=lambda code, strategy: strategies.update({code: strategy}),
+        )
+    )
+    [(code, strategy)] = strategies.items()
+    assert code is checkpoint_call.run.__code__ and code not in skipped
+    assert (strategy.cur_action, strategy.recursive_action) == (FrameAction.SKIP, FrameAction.SKIP)
+    assert callable(eval_frame.set_code_exec_strategy)  # the hook this torch gives
 
 
 def test_a_dynamo_without_skip_code_is_said_in_one_line(caplog):
