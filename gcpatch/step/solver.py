@@ -372,7 +372,8 @@ def _greedy_cover(layers: Sequence[LayerCost], need: float) -> list[tuple[int, s
     each layer's options on the lower convex hull of (bytes shed, seconds) from plain, and the
     steps up those hulls taken cheapest per byte first across layers until `need` is shed. The
     greedy of the knapsack's linear relaxation: a lever that sheds enough for less is taken, and
-    the plan is within one step of the cheapest (it says it is not exact)."""
+    the plan is within one step of the cheapest, at most one layer's costliest option (it says it
+    is not exact)."""
     heap: list[tuple[float, int, int]] = []  # (seconds per byte of the step, layer, hull index)
     hulls = []
     for i, layer in enumerate(layers):
@@ -409,8 +410,9 @@ def _hull(options: list[tuple[str, float, float]]) -> list[tuple[str, float, flo
 
 
 def _turns_up(a: tuple, b: tuple, c: tuple) -> bool:
-    """Whether b lies on or above the line from a to c (b is not on the lower hull)."""
-    return (b[2] - a[2]) * (c[1] - a[1]) >= (c[2] - a[2]) * (b[1] - a[1])
+    """Whether b lies above the line from a to c (b is not on the lower hull). On the line it
+    stays: a finer step for the greedy, whose last step is what it may overshoot by."""
+    return (b[2] - a[2]) * (c[1] - a[1]) > (c[2] - a[2]) * (b[1] - a[1])
 
 
 def _slope(hull: list[tuple[str, float, float]], step: int) -> float:

@@ -339,6 +339,8 @@ _qwen3_vl_moe = _merged_vlm(
     num_experts_per_tok=2,
     moe_intermediate_size=32,
     decoder_sparse_step=1,
+    # 5.1+'s default; 5.0.0's text config lacks the key its text model reads
+    pad_token_id=None,
 )
 # Qwen3.5: linear-attention (gated delta rule, torch's fallback on a CPU) and full-attention layers
 QWEN3_5_ROPE = {**MROPE, "mrope_interleaved": True, "partial_rotary_factor": 1.0}

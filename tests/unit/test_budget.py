@@ -297,7 +297,9 @@ def test_past_the_front_limit_the_plan_holds_the_budget_within_one_step_of_the_c
 ):
     """Many layers each holding other bytes (MoE layers routed differently) outgrow the exact
     search: the greedy over each layer's convex hull of options still holds the budget, takes the
-    levers, and costs at most one layer's recompute more than the cheapest plan."""
+    levers, and costs at most one step up one layer's hull more than the cheapest plan: at most
+    that layer's costliest option, which offloading (its copies' time on top of the recompute)
+    can make dearer than checkpointing it whole."""
     plain = outside + sum(l.plain for l in layers)
     limit = fraction * plain
     with mock.patch.object(solver, "MAX_FRONT", 0):
@@ -306,7 +308,27 @@ def test_past_the_front_limit_the_plan_holds_the_budget_within_one_step_of_the_c
         return
     cheapest = _exhaustive_choices(layers, outside, limit)
     assert not plan.exact and plan.total <= limit + 1e-9
-    assert plan.recompute_s <= cheapest[0] + max(l.seconds for l in layers) + 1e-9
+    step = max(seconds for l in layers for _, _, seconds in l.options())
+    assert plan.recompute_s <= cheapest[0] + step + 1e-9
+
+
+def test_past_the_front_limit_options_in_line_stay_steps_of_their_own():
+    """Checkpointing the last layer whole sheds half what offloading it does for half the seconds:
+    both lie on one line from plain. Dropped from the hull, the greedy's one step for that layer
+    was plain to offloaded, and with the 2-unit layer taken at the same price per byte the plan
+    cost 0.5 where checkpointing the last two whole holds the budget for 0.3 (the cheapest: 0.2)."""
+    free = LayerCost("l", 1.0, 0.0, 0.0, "")
+    layers = [
+        free,
+        free,
+        LayerCost("l", 2.0, 0.0, 0.1, ""),
+        LayerCost("l", 8.0, 4.0, 0.2, "", offloaded=0.0, offloaded_seconds=0.4),
+    ]
+    with mock.patch.object(solver, "MAX_FRONT", 0):
+        plan = solve(layers, 0.0, 6.0)
+    assert not plan.exact and plan.total <= 6.0
+    assert plan.modes == ["full"] * 4 and plan.recompute_s == pytest.approx(0.3), plan
+    assert _exhaustive_choices(layers, 0, 6.0)[0] == pytest.approx(0.2)
 
 
 def test_plans_within_the_clocks_slack_go_to_the_fewest_whole_layers():
