@@ -1,10 +1,15 @@
 """The suite's kinds, one folder each: unit/ (in-process), process/ (starts interpreters), infra/ (the
 test infrastructure's own tests) and docs/ (documents and the matrix agree with the code). Each test
 is marked with its folder's kind, which is how `bash .ci/run quick` selects (`-m unit`); a unit test
-that starts an interpreter fails, so the quick loop stays in-process and quick."""
+that starts an interpreter fails, so the quick loop stays in-process and quick.
+
+Property tests (hypothesis) draw the same examples on every run, so a run's result depends on the
+code alone; GCPATCH_HYPOTHESIS=search draws fresh ones on each run to look for new
+counterexamples, each printed with the line that reproduces it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -12,6 +17,17 @@ import pytest
 from testkit.tempdirs import pytest_sessionfinish, pytest_sessionstart  # noqa: F401 (hooks)
 
 KINDS = ("unit", "process", "infra", "docs")
+
+try:
+    from hypothesis import settings
+except ImportError:  # an env without property tests
+    pass
+else:
+    settings.register_profile("fixed", derandomize=True, print_blob=True)
+    settings.register_profile("search", print_blob=True, database=None)
+    settings.load_profile(
+        "search" if os.environ.get("GCPATCH_HYPOTHESIS", "").lower() == "search" else "fixed"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
