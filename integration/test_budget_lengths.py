@@ -74,32 +74,36 @@ def test_a_fraction_is_a_fraction_of_each_steps_own_activations(script_runs):
         assert step["held"] < step["plain_held"], step
 
 
-def _limits(run) -> dict[int, float]:
-    records = [r for r in run.records() if r.get("stage") == "budget-shape"]
-    return {r["shape"][1]: r["plan"]["limit_bytes"] for r in records}
+def _shape_records(run) -> list[dict]:
+    """The plans the run made for shapes after the first, one record each."""
+    return [r for r in run.records() if r.get("stage") == "budget-shape"]
+
+
+def _by_tokens(run, key: str) -> dict[int, float]:
+    return {r["shape"][1]: r["plan"][key] for r in _shape_records(run)}
 
 
 def test_auto_with_a_stated_capacity_plans_as_the_size_it_leaves(script_runs):
     """auto:<capacity> leaves the same room for activations as the size budget states, so each
     shape is planned for the same bytes (within the byte the script's int capacity rounds off).
     Which layers take which lever is not compared: plans of equal bytes are told apart by each
-    run's own timing of its layers, and two runs time them differently."""
+    run's own timing of its layers, and two runs time them differently. Every step within that
+    room: the first test, on this run."""
     auto, size = _run(script_runs, "auto"), _run(script_runs, "size")
     assert auto.result["budget"].startswith("auto:")
-    room, auto_limits, size_limits = size.result["room"], _limits(auto), _limits(size)
+    room = size.result["room"]
+    auto_limits, size_limits = _by_tokens(auto, "limit_bytes"), _by_tokens(size, "limit_bytes")
     assert auto.result["room"] == room
     for tokens in (64, 128, 256):
         assert size_limits[tokens] == room, size_limits
         assert room - 1 <= auto_limits[tokens] <= room, (tokens, auto_limits, room)
-    for step in auto.result["steps"][1:]:
-        assert step["held"] <= auto.result["room"] * (1 + TOLERANCE), step
 
 
 def test_eval_and_generate_between_steps_plan_nothing(script_runs):
     run = _run(script_runs, "auto")
     step = run.result["steps"][2]
     assert step["between_flags"] == step["flags"], step  # the training plan stands
-    shapes = [r["shape"] for r in run.records() if r.get("stage") == "budget-shape"]
+    shapes = [r["shape"] for r in _shape_records(run)]
     assert all(tokens in (64, 128, 256) for _, tokens in shapes), shapes  # no 96, 48 or 49..51
 
 
@@ -114,7 +118,7 @@ def test_each_new_largest_shape_is_said_once_and_recorded(script_runs):
         "2 x 256",
     ], lines
     assert len(lines) == 4  # shorter shapes again: planned from the cache, nothing said
-    records = [r for r in run.records() if r.get("stage") == "budget-shape"]
+    records = _shape_records(run)
     assert [r["shape"][1] for r in records] == [64, 128, 256], records
 
 
@@ -132,11 +136,7 @@ def test_the_cost_model_predicts_what_unmeasured_shapes_hold(script_runs, case):
     """Measured at the first step's 2 x 32 tokens (and 16), predicted at 64, 128 and 256: the
     bytes each step's plan was expected to hold, within 10% of what the step really held."""
     run = _run(script_runs, case)
-    predicted = {
-        r["shape"][1]: r["plan"]["planned_bytes"]
-        for r in run.records()
-        if r.get("stage") == "budget-shape"
-    }
+    predicted = _by_tokens(run, "planned_bytes")
     assert sorted(predicted) == [64, 128, 256], predicted
     for step in run.result["steps"][1:4]:
         real = step["held"]
@@ -170,8 +170,9 @@ def test_a_disabled_step_is_left_alone_and_the_plans_come_back_when_enabled_agai
     assert step["disabled_flags"] == [False] * len(step["flags"]), step
     after = run.result["steps"][3]
     assert after["tokens"] == 256 and sum(after["flags"]) > sum(step["flags"]) > 0, after
-    assert _limits(run) == {t: run.result["room"] for t in (64, 128, 256)}, _limits(run)
-    shapes = [r["shape"] for r in run.records() if r.get("stage") == "budget-shape"]
+    limits = _by_tokens(run, "limit_bytes")
+    assert limits == {t: run.result["room"] for t in (64, 128, 256)}, limits
+    shapes = [r["shape"] for r in _shape_records(run)]
     assert all(tokens != 96 for _, tokens in shapes), shapes  # the disabled step planned nothing
 
 
