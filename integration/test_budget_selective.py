@@ -101,7 +101,16 @@ def test_the_plan_holds_the_budget_and_every_gradient_is_exact(case):
     assert r["wrong"] == 0 and r["grad_none"] == 0 and r["trainable"] == TRAINABLE[name], r
     assert r["held_fraction"] <= BUDGET.get(name, 0.5) * (1 + TOLERANCE), r
     assert r["full_held_fraction"] < 0.1  # the floor is far below the budget: a plan has room
-    assert r["modes"] != ["full"] * LAYERS, r["modes"]  # not every layer checkpointed whole
+    if name != "bf16":  # at 0.5 and 0.3 whole layers alone would hold far below the budget
+        assert r["modes"] != ["full"] * LAYERS, r["modes"]  # not every layer checkpointed whole
+        return
+    # bf16's 0.15 lies near the floor: a quiet run planned 7 whole and 1 keeping its matmuls (95%
+    # of full checkpointing's recompute), and on a loaded clock every layer whole measured cheapest
+    # (a CI run on 4.57: 8 of 8). What it must hold on any clock: the plan's bytes are what the
+    # step held (counted as held by the checkpointed layers only, plans once ended 15-25% over)
+    plan = next(e["budget"]["plan"] for e in run.records() if e.get("stage") == "budget")
+    planned = plan["planned_bytes"] / plan["plain_bytes"]
+    assert r["held_fraction"] == pytest.approx(planned, rel=TOLERANCE), (planned, r)
 
 
 def test_each_lever_recomputes_what_it_says(case):
