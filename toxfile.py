@@ -10,6 +10,7 @@ the env itself, whose site-packages come first on sys.path.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from pathlib import Path
 
@@ -32,10 +33,26 @@ def tox_on_install(tox_env, arguments, section: str, of_type: str) -> None:  # t
         "deps"
     ]  # a requirements file for a run env, a plain list for a packaging env
     lines = deps.lines() if hasattr(deps, "lines") else [str(dep) for dep in deps]
-    if not any(line.replace(" ", "").startswith("torch==") for line in lines):
-        return
     site = _base_site(Path(base))
     env_site = Path(tox_env.env_site_package_dir())
     if site is None or site.parent.name != env_site.parent.name:  # another Python: not shareable
         return
-    (env_site / PTH).write_text(f"{site}\n")
+    if shares_base_torch(lines, site):
+        (env_site / PTH).write_text(f"{site}\n")
+
+
+def shares_base_torch(lines: list[str], site: Path) -> bool:
+    """Whether an env's deps pin the torch release the base holds: an env pinning another one
+    (torch214, torch215) installs its own, with no second torch on its path."""
+    specs = (line.replace(" ", "") for line in lines)
+    pins = [spec[len("torch==") :] for spec in specs if spec.startswith("torch==")]
+    held = [
+        dist.version
+        for dist in importlib.metadata.distributions(path=[str(site)])
+        if (dist.metadata["Name"] or "").lower() == "torch"
+    ]
+    return (
+        bool(pins)
+        and bool(held)
+        and all(pin.split("+")[0] == held[0].split("+")[0] for pin in pins)
+    )

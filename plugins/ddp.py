@@ -34,7 +34,9 @@ RULES = (
     ),
 )
 
-INFO = PluginInfo(name="ddp", framework="torch", versions=">=2.0", rules=RULES, proven="==2.13.*")
+INFO = PluginInfo(
+    name="ddp", framework="torch", versions=">=2.0", rules=RULES, proven=">=2.13,<2.16"
+)
 
 
 @hookimpl

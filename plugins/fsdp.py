@@ -59,7 +59,7 @@ RULES = (
 )
 
 INFO = PluginInfo(
-    name="fsdp", framework="torch", versions=">=2.6,<3", rules=RULES, proven="==2.13.*"
+    name="fsdp", framework="torch", versions=">=2.6,<3", rules=RULES, proven=">=2.13,<2.16"
 )
 
 

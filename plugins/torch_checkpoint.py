@@ -114,7 +114,7 @@ RULES = (
 )
 
 INFO = PluginInfo(
-    name="torch", framework="torch", versions=">=2.0,<3", rules=RULES, proven="==2.13.*"
+    name="torch", framework="torch", versions=">=2.0,<3", rules=RULES, proven=">=2.13,<2.16"
 )
 
 

@@ -98,17 +98,45 @@ def test_a_failing_rule_is_reported_as_fail_not_dropped(tmp_path):
     assert out["P4 LoRA"]["state"] == "fail" and out["P4 LoRA"]["detail"] == "no test collected"
 
 
-def test_transformers_plugin_proven_range_spans_the_table():
-    source = (ROOT / "plugins" / "transformers.py").read_text()
+def _proven(plugin: str) -> SpecifierSet:
+    """The `proven` range a built-in plugin's PluginInfo declares, read from its source."""
+    source = (ROOT / "plugins" / f"{plugin}.py").read_text()
     call = next(
         n
         for n in ast.walk(ast.parse(source))
         if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "PluginInfo"
     )
-    proven = SpecifierSet(next(k.value.value for k in call.keywords if k.arg == "proven"))
+    return SpecifierSet(next(k.value.value for k in call.keywords if k.arg == "proven"))
+
+
+def test_transformers_plugin_proven_range_spans_the_table():
+    proven = _proven("transformers")
     supported = [r["transformers"] for r in ROWS if r["status"] != "unsupported"]
     assert supported[0] in proven and supported[-1] in proven
     assert "4.35.1" not in proven and "5.24.1" not in proven
+
+
+def test_torch_plugins_proven_range_spans_the_torch_releases_tox_runs():
+    """2.13 (the table's torch, every env of CI) and the releases tox's torch envs pin
+    (torch214-unit ... torch215-it, docs/CI.md), each a minor with its patch releases; none before
+    or after."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    pins = [
+        req.strip().partition("==")[2]
+        for line in tox["testenv:torch{214,215}-{unit,it}"]["deps"].splitlines()
+        for _, _, req in [line.partition(":")]
+        if req.strip().startswith("torch==")
+    ]
+    releases = sorted({r["torch"] for r in ROWS} | set(pins), key=Version)
+    assert len(pins) == 2 and releases[0] == "2.13.0", releases
+    lowest, highest = Version(releases[0]), Version(releases[-1])
+    for plugin in ("torch_checkpoint", "ddp", "fsdp"):
+        proven = _proven(plugin)
+        assert all(release in proven for release in releases), (plugin, proven)
+        assert f"{highest.major}.{highest.minor}.9" in proven, (plugin, proven)
+        assert f"{lowest.major}.{lowest.minor - 1}.9" not in proven, (plugin, proven)
+        assert f"{highest.major}.{highest.minor + 1}.0" not in proven, (plugin, proven)
 
 
 def test_the_table_names_the_gcpatch_commit_each_release_proved():

@@ -47,8 +47,15 @@ print("RESULT " + json.dumps({"seen": seen, "flags": flags}))
 
 
 def _lines(stderr: str) -> list[str]:
+    """The decision lines after the re-activation. A release outside a plugin's proven range is
+    said once per process (gcpatch/manager.py `_say_untested`), not once per activation: that
+    line is left out of both."""
     after = stderr.split("-- re-activated --")[-1]
-    return [line for line in after.splitlines() if line.startswith("gcpatch:")]
+    return [
+        line
+        for line in after.splitlines()
+        if line.startswith("gcpatch:") and not line.startswith("gcpatch: untested ")
+    ]
 
 
 def test_a_reactivation_decides_plans_and_verifies_as_a_fresh_process(tmp_path):
