@@ -22,6 +22,7 @@ from typing import Any, Callable
 from gcpatch import (
     call_facts,
     call_rewrites,
+    curried_call,
     engine,
     import_hooks,
     lifetime,
@@ -60,6 +61,7 @@ CHECKPOINT_KWARGS = frozenset(
         "determinism_check",
         "debug",
         "early_stop",
+        "respect_saved_tensors_hooks",
     }
 )
 
@@ -143,8 +145,10 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
     The hot path: a correct call costs the facts it needs and a dictionary look-up, never a
     plugin call. gcpatch's own failures leave the call as made (one log line); the host's
     exceptions pass through untouched."""
-    if not args or _compiling():
+    if _compiling() or (not args and "function" in kwargs):
         return original(*args, **kwargs)
+    if not args:  # checkpoint(**options)(function): torch 2.14's curried form
+        return curried_call.curry(original, kwargs, CHECKPOINT_KWARGS)
     function = args[0]
     key = None
     try:

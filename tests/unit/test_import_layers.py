@@ -57,6 +57,7 @@ LAYERS = (
         {
             "apply",
             "call_rewrites",
+            "curried_call",
             "console",
             "nofollow",
             "record",
