@@ -52,6 +52,7 @@ ACTIVATION = {
     "context._models",
     "context._instances",
     "crash_notes._installed",
+    "curried_call._clashes_said",
     "mrope_mask._said",
     "record._history",
     "record._last_of",
