@@ -15,8 +15,9 @@ transformers): the calls gcpatch meets only at the checkpoint call.
                           `checkpoint(use_reentrant=True)(block)(h)`
 --case decorated_frozen_embedding frozen_embedding through a method decorated
                           `@checkpoint(use_reentrant=True)` (torch 2.14's decorator form)
---case nested_curried     nested, the inner module checkpointed non-reentrant through the curried form with an
-                          option of torch 2.14's (respect_saved_tensors_hooks)
+--case nested_curried     nested, the inner module checkpointed non-reentrant through the
+                          curried form with an option of torch 2.14's
+                          (respect_saved_tensors_hooks)
 
 A case torch has no form for prints `"unsupported"` and its torch version.
 

@@ -2,8 +2,8 @@
 compare (integration/test_checkpoint_calls.py): a function whose own keywords are named like one
 of checkpoint's runs exactly as torch runs it, said once; the decorator on a method binds to its
 instance and is decided per call while gcpatch is on, and is torch's own again after
-`gcpatch.deactivate()`; and on a torch
-without the curried form, `checkpoint(use_reentrant=...)` raises what it raises plainly."""
+`gcpatch.deactivate()`; and on a torch without the curried form, `checkpoint(use_reentrant=...)`
+raises what it raises plainly."""
 
 from __future__ import annotations
 
