@@ -111,7 +111,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "zero3: DeepSpeed ZeRO-3 integration runs (tox envs ds0189/ds0193)"
+        "markers", "zero3: DeepSpeed ZeRO-3 integration runs (tox envs ds0189/ds0193/ds0198)"
     )
     config.addinivalue_line(
         "markers", "distributed: runs two processes with torch.distributed.run (gloo)"

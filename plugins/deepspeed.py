@@ -47,7 +47,7 @@ INFO = PluginInfo(
     framework="deepspeed",
     versions=">=0.9",
     rules=RULES,
-    proven=">=0.18.9,<=0.19.3",
+    proven=">=0.18.9,<=0.19.8",
 )
 
 

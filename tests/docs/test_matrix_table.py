@@ -139,6 +139,27 @@ def test_torch_plugins_proven_range_spans_the_torch_releases_tox_runs():
         assert f"{highest.major}.{highest.minor + 1}.0" not in proven, (plugin, proven)
 
 
+def test_deepspeed_plugin_proven_range_is_the_releases_tox_runs():
+    """From the oldest DeepSpeed a tox env pins to the newest (ds0189 ... ds0198, docs/CI.md): a
+    release outside them says `untested` rather than claiming a proof nobody ran."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    pins = sorted(
+        (
+            Version(req.strip().partition("==")[2])
+            for line in tox["testenv"]["deps"].splitlines()
+            for _, _, req in [line.partition(":")]
+            if req.strip().startswith("deepspeed==")
+        ),
+    )
+    assert len(pins) >= 2, pins
+    proven = _proven("deepspeed")
+    assert all(str(pin) in proven for pin in pins), (pins, proven)
+    lowest, highest = pins[0], pins[-1]
+    assert f"{lowest.major}.{lowest.minor}.{lowest.micro - 1}" not in proven, proven
+    assert f"{highest.major}.{highest.minor}.{highest.micro + 1}" not in proven, proven
+
+
 def test_the_table_names_the_gcpatch_commit_each_release_proved():
     module = runner()
     cell = {
