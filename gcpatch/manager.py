@@ -55,7 +55,7 @@ class PluginStatus:
         self.info = info
         self.framework_version: str | None = None
         self.patch_points: list[PatchPoint] = []
-        # inside the supported range, outside the range the version matrix proves
+        # inside the supported range, outside the range gcpatch's tests prove
         self.untested = False
 
     def __repr__(self) -> str:
@@ -502,7 +502,7 @@ def _say_untested(framework: str, version: str, proven: str) -> None:
     """The plugin runs, but no matrix cell proves this release."""
     _say_once(
         logging.WARNING,
-        f"gcpatch: untested {framework} {version} (the version matrix proves {proven}); gcpatch"
+        f"gcpatch: untested {framework} {version} (gcpatch's tests prove {proven}); gcpatch"
         f" keeps working where it can and falls back to {framework}'s own behaviour where it"
         " cannot",
     )

@@ -149,9 +149,9 @@ class PluginInfo(Value):
     # a PEP 440 specifier, e.g. ">=4.41,<6": outside it the plugin cannot work and is skipped
     versions: str
     rules: tuple[Rule, ...] = ()
-    # the releases the version matrix proves (matrix/RESULTS.md); inside `versions` but outside
-    # this,
-    # the plugin still runs (fail-open) and says once "untested <framework> <version>"
+    # the releases gcpatch's tests prove (matrix/RESULTS.md, the tox envs outside CI); inside
+    # `versions` but outside this, the plugin still runs (fail-open) and says once
+    # "untested <framework> <version>"
     proven: str = ""
 
 

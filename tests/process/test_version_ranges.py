@@ -1,8 +1,8 @@
 """Plugin ranges against the installed release, with a stub framework (no torch, no transformers:
 this file runs on every Python gcpatch claims).
 
-A plugin declares the range it can work in (`versions`: outside it, skipped) and the range the
-version matrix proves (`proven`: outside it the plugin still runs, fail-open, and gcpatch says once
+A plugin declares the range it can work in (`versions`: outside it, skipped) and the range its
+tests prove (`proven`: outside it the plugin still runs, fail-open, and gcpatch says once
 "untested <framework> <version>"); `gcpatch doctor` shows both against the installed version.
 """
 
