@@ -1,7 +1,7 @@
 """The family sweep (docs/FAMILY_SWEEP.md): scripts/family_sweep.py over every causal-LM family the
 installed transformers registers, plain and with GCPATCH=1, in chunks run side by side (a run has
-_run.TIMEOUT_S). Not in CI (about 40 minutes on two cores); integration/test_family_sweep.py runs
-a sample of it.
+_run.TIMEOUT_S). Not in CI (about 6 minutes on two cores); integration/test_family_sweep.py runs a
+sample of it.
 
 Regenerate (after installing this checkout into the venv):
     python integration/_family_sweep.py --write

@@ -131,7 +131,7 @@ def _lora(model_type: str):
 def _case(name: str, path, freeze: bool) -> dict:
     try:
         case = f.grads_case(name, path, freeze=freeze)
-    except Exception as exc:  # the reference without checkpointing failed: the tiny config's limit
+    except Exception as exc:  # the run without checkpointing failed, or the model cannot checkpoint
         return {"unrun": f"{type(exc).__name__}: {exc}"[:160]}
     return {k: case[k] for k in ("wrong", "with_grad", "error", "use_reentrant")}
 
