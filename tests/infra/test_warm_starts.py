@@ -154,10 +154,18 @@ def test_runs_it_cannot_serve_faithfully_start_fresh(tmp_path):
 
 
 RANK_SCRIPT = """\
-import json, os, sys
+import json, os, sys, time
 print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), "world": os.environ["WORLD_SIZE"],
       "local": os.environ["LOCAL_RANK"], "run_id": "TORCHELASTIC_RUN_ID" in os.environ, "argv": sys.argv[1:],
       "preloaded": PRELOADED, "env": sorted(os.environ)}), flush=True)
+# torchrun stops the other ranks when one fails: rank 1 fails only once rank 0's line is out
+printed = os.path.join(HERE, "rank0-printed-" + os.environ["MASTER_PORT"])
+if os.environ["RANK"] == "0":
+    open(printed, "w").close()
+else:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(printed) and time.monotonic() < deadline:
+        time.sleep(0.05)
 if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
     sys.exit(3)
 if sys.argv[1] == "abort" and os.environ["RANK"] == "1":
@@ -169,7 +177,9 @@ if sys.argv[1] == "abort" and os.environ["RANK"] == "1":
 def test_torchrun_ranks_start_warm_with_the_environment_torchrun_gives(tmp_path, served, how):
     pytest.importorskip("torch.distributed.run")
     path = tmp_path / "ranks.py"
-    path.write_text('import sys\nPRELOADED = "wave" in sys.modules\n' + RANK_SCRIPT)
+    path.write_text(
+        f'import sys\nPRELOADED = "wave" in sys.modules\nHERE = {str(tmp_path)!r}\n' + RANK_SCRIPT
+    )
     env = harness.child_env(GCPATCH="0", GCPATCH_TEST_WARM_PRELOAD="wave")
     fresh, warm = (
         harness.run(harness.torchrun_argv(2, str(path), how), tmp_path, env, 120, warm=w)
