@@ -35,7 +35,6 @@ def test_every_set_up_gets_the_no_checkpointing_gradients(script_runs, name):
             assert case == "lora" and "unrun" in plain[case], (case, fam[case], plain[case])
             continue
         assert exact(fam[case]) and fam[case]["with_grad"] > 0, (case, fam[case])
-    assert "unrun" not in fam["frozen/inputs_embeds"]
 
 
 @pytest.mark.parametrize("name", SAMPLE)

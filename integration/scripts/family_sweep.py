@@ -36,7 +36,6 @@ SMALL = dict(
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
-    tie_word_embeddings=False,
     sliding_window=32,
     # other spellings of the same sizes (GPT-2, T5-like, Falcon, Mamba)
     n_embd=32,

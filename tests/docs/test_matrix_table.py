@@ -116,18 +116,23 @@ def test_transformers_plugin_proven_range_spans_the_table():
     assert "4.35.1" not in proven and "5.24.1" not in proven
 
 
+def _tox_pins(section: str, package: str) -> list[str]:
+    """The releases of `package` that a tox.ini section's deps pin (`factor: package==X`)."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    return [
+        req.strip().partition("==")[2]
+        for line in tox[section]["deps"].splitlines()
+        for _, _, req in [line.partition(":")]
+        if req.strip().startswith(f"{package}==")
+    ]
+
+
 def test_torch_plugins_proven_range_spans_the_torch_releases_tox_runs():
     """2.13 (the table's torch, every env of CI) and the releases tox's torch envs pin
     (torch214-unit ... torch215-it, docs/CI.md), each a minor with its patch releases; none before
     or after."""
-    tox = configparser.ConfigParser(interpolation=None)
-    tox.read(ROOT / "tox.ini")
-    pins = [
-        req.strip().partition("==")[2]
-        for line in tox["testenv:torch{214,215}-{unit,it}"]["deps"].splitlines()
-        for _, _, req in [line.partition(":")]
-        if req.strip().startswith("torch==")
-    ]
+    pins = _tox_pins("testenv:torch{214,215}-{unit,it}", "torch")
     releases = sorted({r["torch"] for r in ROWS} | set(pins), key=Version)
     assert len(pins) == 2 and releases[0] == "2.13.0", releases
     lowest, highest = Version(releases[0]), Version(releases[-1])
@@ -142,16 +147,7 @@ def test_torch_plugins_proven_range_spans_the_torch_releases_tox_runs():
 def test_deepspeed_plugin_proven_range_is_the_releases_tox_runs():
     """From the oldest DeepSpeed a tox env pins to the newest (ds0189 ... ds0198, docs/CI.md): a
     release outside them says `untested` rather than claiming a proof nobody ran."""
-    tox = configparser.ConfigParser(interpolation=None)
-    tox.read(ROOT / "tox.ini")
-    pins = sorted(
-        (
-            Version(req.strip().partition("==")[2])
-            for line in tox["testenv"]["deps"].splitlines()
-            for _, _, req in [line.partition(":")]
-            if req.strip().startswith("deepspeed==")
-        ),
-    )
+    pins = sorted(Version(pin) for pin in _tox_pins("testenv", "deepspeed"))
     assert len(pins) >= 2, pins
     proven = _proven("deepspeed")
     assert all(str(pin) in proven for pin in pins), (pins, proven)
