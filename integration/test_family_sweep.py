@@ -5,6 +5,9 @@ them. Multi-head latent attention with experts (DeepSeek-V3), a linear-attention
 (Qwen3-Next), a state-space model (Mamba), GPT-J's partial rotary. With gcpatch every set-up gets the
 no-checkpointing gradients and eval mode checkpoints; the plain run shows the failures. (Falcon-H1,
 the Mamba hybrid, is left out: on transformers 4.57 its tiny config's forward takes over 24 GiB.)
+Three of them, and GPT-OSS, also train under GCPATCH_MEMORY_BUDGET=0.5 (`--budget`): GPT-OSS's experts
+write into their grouped matmul's output, which keeping the matmuls cannot run over (the budget
+once failed open there, every layer checkpointed whole); the lever is left out and the plan made.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ from _run import Spec
 
 SCRIPT = "family_sweep.py"
 SAMPLE = ("deepseek_v3", "qwen3_next", "mamba", "gptj")
-RUNS = [Spec(SCRIPT, SAMPLE)]
+BUDGET_ARGS = ("--budget", "deepseek_v3", "qwen3_next", "mamba", "gpt_oss")
+BUDGET = 0.5
+TOLERANCE = 0.05  # of a plan fitted at the first step's shape (docs/BUDGET.md)
+BUDGET_ENV = {"GCPATCH_MEMORY_BUDGET": str(BUDGET)}
+RUNS = [Spec(SCRIPT, SAMPLE), Spec(SCRIPT, BUDGET_ARGS, env=tuple(BUDGET_ENV.items()))]
 
 
 def family(script_runs, name: str, gcpatch: bool) -> dict:
@@ -48,3 +55,20 @@ def test_the_plain_run_loses_gradients_that_gcpatch_keeps(script_runs, name):
 def test_eval_mode_checkpoints(script_runs, name):
     assert 0.9 <= family(script_runs, name, True)["eval"] <= 1.1
     assert family(script_runs, name, False)["eval"] > 1.1  # plain: eval mode skips it
+
+
+@pytest.mark.parametrize("name", BUDGET_ARGS[1:])
+def test_under_a_budget_every_step_is_exact_and_holds_it(script_runs, name):
+    """The first step checkpoints every layer while gcpatch measures; the later ones run the plan:
+    they hold more than that floor (fewer layers recompute) and at most the budget."""
+    run = script_runs.get(SCRIPT, *BUDGET_ARGS, gcpatch=True, env=BUDGET_ENV)
+    fam = run.result["families"][name]
+    if fam.get("unregistered"):
+        pytest.skip(f"{name}: no causal LM of this type in the installed transformers")
+    case = fam["budget"]
+    assert case["error"] is None and case["wrong"] == [0, 0, 0], case
+    floor, *later = case["held_fraction"]
+    assert all(floor < held <= BUDGET * (1 + TOLERANCE) for held in later), case
+    planned = [e for e in run.records() if e.get("stage") == "budget" and e["budget"].get("plan")]
+    registered = [f for f in run.result["families"].values() if not f.get("unregistered")]
+    assert len(planned) == len(registered), [e.get("line") for e in run.records()]

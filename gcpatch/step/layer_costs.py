@@ -49,6 +49,8 @@ class Measured:
     # layer offers them
     shares: dict[str, float | None] = field(default_factory=dict)
     not_offered: str | None = None
+    # the levers a layer's trial run refused: {lever: {layer index: why}}
+    refused: dict[str, dict[int, str]] = field(default_factory=dict)
 
     @property
     def plain_total(self) -> float:
@@ -124,29 +126,35 @@ def measure(
     seconds = _averaged(seconds, kinds, [p[timed_at] for p in plain], [c[timed_at] for c in ckpt])
     # the selective levers' costs, as shares of checkpointing whole, at the timed shape (the
     # attention kernel a shape gets, and its share of a layer, change with rows and tokens);
-    # without `levers` none is timed, and a lever without a share has no seconds on any layer
+    # without `levers` none is timed, and a lever without a share has no seconds on any layer,
+    # nor on a layer whose build refused it in its trial run
+    refused: dict[str, dict[int, str]] = {}
     shares = (
-        selective.shares(layers, run(*timed_at), splits)
+        selective.shares(layers, run(*timed_at), splits, refused)
         if levers
         else dict.fromkeys(selective.LEVERS)
     )
     offered = [selective.available(m) for m in layers]
     offloads = [selective.offloadable(m) for m in layers]
 
-    def lever_seconds(share: float | None, offered: list[bool] = offered) -> list[float | None]:
-        return [s * share if share is not None and ok else None for s, ok in zip(seconds, offered)]
+    def lever_seconds(lever: str, offered: list[bool] = offered) -> list[float | None]:
+        share, out = shares.get(lever), refused.get(lever, {})
+        return [
+            s * share if share is not None and ok and i not in out else None
+            for i, (s, ok) in enumerate(zip(seconds, offered))
+        ]
 
     costs = CostModel(
         plain=[Curve.fit(p) for p in plain],
         checkpointed=[Curve.fit(c) for c in ckpt],
         matmul=[Curve.fit(m) for m in matmul],
-        kept_seconds=lever_seconds(shares[KEEP_MATMULS]),
+        kept_seconds=lever_seconds(KEEP_MATMULS),
         attention=[Curve.fit(a) for a in attention],
-        attention_seconds=lever_seconds(shares[KEEP_ATTENTION]),
+        attention_seconds=lever_seconds(KEEP_ATTENTION),
         offloaded=[Curve.fit(o) for o in offloaded],
-        offloaded_seconds=lever_seconds(shares.get(OFFLOAD), offloads),
+        offloaded_seconds=lever_seconds(OFFLOAD, offloads),
         feed_forward=[Curve.fit(f) if ok else None for f, ok in zip(split, splits)],
-        feed_forward_seconds=lever_seconds(shares.get(FEED_FORWARD), splits),
+        feed_forward_seconds=lever_seconds(FEED_FORWARD, splits),
         outside=Curve.fit(outside),
         seconds=seconds,
         timed_at=timed_at,
@@ -165,6 +173,7 @@ def measure(
         seconds=time.perf_counter() - start,
         shares=shares,
         not_offered=selective.not_offered(layers) if levers else WHOLE_ASKED,
+        refused=refused,
     )
 
 

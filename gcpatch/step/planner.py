@@ -198,7 +198,14 @@ def _measure(
             "seconds": measured.seconds,
             "outside_bytes": measured.outside,
             "note": note,
-            "levers": {"shares": measured.shares, "not_offered": measured.not_offered},
+            "levers": {
+                "shares": measured.shares,
+                "not_offered": measured.not_offered,
+                "refused": {
+                    lever: {"layers": sorted(by_layer), "why": next(iter(by_layer.values()))}
+                    for lever, by_layer in measured.refused.items()
+                },
+            },
             "layers": [
                 {
                     "plain_bytes": c.plain,
@@ -300,7 +307,20 @@ def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
         f" {size(plan['plain_bytes'])} without checkpointing (saves"
         f" {1 - plan['planned_bytes'] / plain:.0%}; full checkpointing would keep"
         f" {plan['floor_bytes'] / plain:.0%}); expected recompute"
-        f" {plan['recompute_s'] / full:.0%} of full checkpointing's"
+        f" {plan['recompute_s'] / full:.0%} of full checkpointing's{_refused_text(outcome)}"
+    )
+
+
+def _refused_text(outcome: dict) -> str:
+    """The levers a trial run refused, said after the plan: "; keeping the matmuls left out on 4
+    of 4 layers, its trial failed (RuntimeError: ...)"."""
+    measured = outcome.get("measured") or {}
+    refused = (measured.get("levers") or {}).get("refused") or {}
+    layers = len(measured.get("layers") or [])
+    return "".join(
+        f"; {selective.NAMED[lever].name} left out on {len(r['layers'])} of {layers} layers, its"
+        f" trial failed ({r['why']})"
+        for lever, r in refused.items()
     )
 
 
@@ -341,14 +361,23 @@ def _levers(levers: dict) -> list[str]:
     for lever, share in levers["shares"].items():
         named = selective.NAMED[lever]
         name = named.name
+        refused = (levers.get("refused") or {}).get(lever)
         if levers["not_offered"] and lever in selective.LEVERS:
             out.append(f"{name}: not offered, {levers['not_offered']}")
+        elif refused and share is None:
+            out.append(f"{name}: not offered, its trial failed ({refused['why']})")
         elif share is None:
             idle = "its policy kept nothing" if lever in selective.LEVERS else f"it {named.idle}"
             out.append(f"{name}: not chosen, its cost could not be told on this clock (or {idle})")
         else:
             out.append(
                 f"{name}: costs {share:.2f} of a whole layer's recompute (measured on one layer)"
+                + (
+                    f"; not offered on layers {refused['layers']}, their trial failed"
+                    f" ({refused['why']})"
+                    if refused
+                    else ""
+                )
             )
     return out
 

@@ -178,7 +178,10 @@ def switched(layers: list[Any], policies: list[Keep | None]) -> Any:
 
 
 def shares(
-    layers: list[Any], forward: Callable[[], Any], split: list[bool] | None = None
+    layers: list[Any],
+    forward: Callable[[], Any],
+    split: list[bool] | None = None,
+    refused: dict[str, dict[int, str]] | None = None,
 ) -> dict[str, float | None]:
     """What each lever costs a step against checkpointing whole, measured on one layer (the first
     that offers them; its kind's kernels are the others'): called alone on the inputs it got in
@@ -197,62 +200,47 @@ def shares(
     (gcpatch/step/feed_forward.py) is timed the same way where the layer has one and `split` (the
     measuring forward's word per layer) does not rule it out (None where the layer never called
     it), and on an accelerator offloading (gcpatch/step/offload.py), its copies in it (a share
-    above 1)."""
+    above 1).
+
+    A lever must also run: a model may write into an output the lever keeps (GPT-OSS's experts
+    add their bias in place to the grouped matmul's output, transformers/integrations/moe.py),
+    which selective checkpointing refuses in the backward. Each lever is tried once, forward and
+    backward, on the timed layer and on the first layer of every other build (its modules'
+    classes: a dense first layer before mixture-of-experts ones); a lever that fails is not
+    offered on the layers of that build, and `refused` gets {lever: {layer index: why}}."""
     torch = sys.modules["torch"]
     out: dict[str, float | None] = dict.fromkeys(LEVERS)
-    layer = next((m for m in layers if available(m) or offloadable(m)), None)
-    call = _first_call(torch, layer, forward) if layer is not None else None
-    if call is None:
+    index = next((i for i, m in enumerate(layers) if available(m) or offloadable(m)), None)
+    if index is None:
         return out
-    args, kwargs, at = call
-    params = [p for p in layer.parameters() if p.requires_grad]
-    policies = {lever: Keep(lever) for lever in LEVERS} if available(layer) else {}
+    # the inputs of the timed layer and of the first layer of every other build alone: each
+    # holds a hidden state of the batch's slice
+    firsts: dict[tuple[str, ...], int] = {_build(layers[index]): index}
+    for i, m in enumerate(layers):
+        firsts.setdefault(_build(m), i)
+    calls = _calls(torch, layers, forward, set(firsts.values()))
+    if index not in calls:
+        return out
+    layer = layers[index]
     cuda = any(p.is_cuda for p in layer.parameters())
     clock = time.perf_counter if cuda else time.process_time
-    modes: dict[str, Callable[[], Any]] = {
-        "plain": contextlib.nullcontext,
-        "whole": lambda: swap.switched([layer], [_same]),
-    }
-    for lever, policy in policies.items():
-        modes[lever] = functools.partial(switched, [layer], [policy])
-    splitter = mover = None
-    if splittable(layer) and (split is None or split[layers.index(layer)]):
-        out[FEED_FORWARD] = None
-        splitter = feed_forward.FeedForward(
-            own(layer._gradient_checkpointing_func), feed_forward.block(layer)
-        )
-        modes[FEED_FORWARD] = lambda: swap.switched([layer], [lambda _: splitter])
-    if offloadable(layer):
-        out[OFFLOAD] = None
-        mover = offload.Offload(own(layer._gradient_checkpointing_func))
-        modes[OFFLOAD] = lambda: swap.switched([layer], [lambda _: mover])
+    trial = _Trial(torch, layer, calls[index], split is None or split[index], cuda)
+    for lever in trial.modes:
+        if lever in (FEED_FORWARD, OFFLOAD):
+            out[lever] = None
 
     def step(mode: str) -> float:
-        # a view, not a leaf: a host's module tracker (a FLOP counter around the step) hooks the
-        # layer's inputs, and autograd.grad refuses such hooks on a leaf
-        hidden = args[at].detach().requires_grad_().view_as(args[at])
-        with modes[mode]():
-            if cuda:
-                torch.cuda.synchronize()
-            start = clock()
-            value = _scalar(torch, layer(*args[:at], hidden, *args[at + 1 :], **kwargs))
-            torch.autograd.grad(value, [hidden, *params], allow_unused=True)
-            if cuda:
-                torch.cuda.synchronize()
-            spent = clock() - start
-        del value
+        spent = trial.step(mode, clock)
         heap.release()  # outside the clock: what the step freed goes back (gcpatch/step/heap.py)
         return spent
 
-    for mode in modes:  # a warm-up round, not counted
-        step(mode)
-    for lever, policy in policies.items():
-        if not policy.kept:
-            del modes[lever]  # it would not fire: not timed
-    if splitter is not None and not splitter.ran:
-        del modes[FEED_FORWARD]
-    if mover is not None and not mover.moved:
-        del modes[OFFLOAD]
+    failed = trial.warm_up()  # a round not counted
+    for lever, why in failed.items():
+        _refuse(refused, lever, layers, index, why)
+    for i in sorted(set(firsts.values()) - {index}):
+        for lever, why in _try(torch, layers[i], calls.get(i), split, i, trial).items():
+            _refuse(refused, lever, layers, i, why)
+    modes = trial.modes
     if len(modes) == 2:
         return out
     samples: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -267,25 +255,136 @@ def shares(
     return out
 
 
-def _first_call(torch: Any, layer: Any, forward: Callable[[], Any]) -> tuple | None:
-    """The positional and keyword arguments of the layer's first call in `forward` (run without
-    a graph; its cache, if any, taken out), and the position of its hidden states (its first
-    floating-point tensor)."""
-    calls: list[tuple] = []
+class _Trial:
+    """One layer called alone on the inputs it got, plain, whole and under each lever it offers:
+    `step(mode)` runs its forward and backward; `modes` holds those still to time."""
 
-    def hook(module: Any, args: tuple, kwargs: dict) -> None:
-        if not calls:
-            calls.append((args, dict(kwargs)))
+    def __init__(self, torch: Any, layer: Any, call: tuple, split: bool, cuda: bool) -> None:
+        self.torch, self.layer, self.cuda = torch, layer, cuda
+        self.args, self.kwargs, self.at = call
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.policies = {lever: Keep(lever) for lever in LEVERS} if available(layer) else {}
+        self.modes: dict[str, Callable[[], Any]] = {
+            "plain": contextlib.nullcontext,
+            "whole": lambda: swap.switched([layer], [_same]),
+        }
+        for lever, policy in self.policies.items():
+            self.modes[lever] = functools.partial(switched, [layer], [policy])
+        self.splitter = self.mover = None
+        if splittable(layer) and split:
+            splitter = feed_forward.FeedForward(
+                own(layer._gradient_checkpointing_func), feed_forward.block(layer)
+            )
+            self.modes[FEED_FORWARD] = lambda: swap.switched([layer], [lambda _: splitter])
+            self.splitter = splitter
+        if offloadable(layer):
+            mover = offload.Offload(own(layer._gradient_checkpointing_func))
+            self.modes[OFFLOAD] = lambda: swap.switched([layer], [lambda _: mover])
+            self.mover = mover
 
-    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    def step(self, mode: str, clock: Callable[[], float] = time.perf_counter) -> float:
+        """The seconds of one forward and backward in `mode` (synchronized on an accelerator)."""
+        torch, args, at = self.torch, self.args, self.at
+        # a view, not a leaf: a host's module tracker (a FLOP counter around the step) hooks the
+        # layer's inputs, and autograd.grad refuses such hooks on a leaf
+        hidden = args[at].detach().requires_grad_().view_as(args[at])
+        with self.modes[mode]():
+            if self.cuda:
+                torch.cuda.synchronize()
+            start = clock()
+            value = _scalar(torch, self.layer(*args[:at], hidden, *args[at + 1 :], **self.kwargs))
+            torch.autograd.grad(value, [hidden, *self.params], allow_unused=True)
+            if self.cuda:
+                torch.cuda.synchronize()
+            return clock() - start
+
+    def warm_up(self) -> dict[str, str]:
+        """Each mode once; the levers that failed (why) or would not fire leave `modes`. Plain or
+        whole failing is the measuring's failure: raised."""
+        failed = {}
+        for mode in list(self.modes):
+            try:
+                self.step(mode)
+            except Exception as exc:  # noqa: BLE001 (the lever is not offered; said in the plan)
+                if mode in ("plain", "whole"):
+                    raise
+                failed[mode] = f"{type(exc).__name__}: {exc}"
+                del self.modes[mode]
+            heap.release()
+        for lever, policy in self.policies.items():
+            if not policy.kept:
+                self.modes.pop(lever, None)  # it would not fire: not timed
+        if self.splitter is not None and not self.splitter.ran:
+            self.modes.pop(FEED_FORWARD, None)
+        if self.mover is not None and not self.mover.moved:
+            self.modes.pop(OFFLOAD, None)
+        return failed
+
+
+def _try(
+    torch: Any, layer: Any, call: tuple | None, split: list[bool] | None, i: int, trial: _Trial
+) -> dict[str, str]:
+    """The levers `trial`'s layer runs, tried once on `layer` (of another build): those that
+    failed there, and why."""
+    levers = [mode for mode in trial.modes if mode not in ("plain", "whole")]
+    if call is None or not levers:
+        return {}
+    other = _Trial(torch, layer, call, split is None or split[i], trial.cuda)
+    other.modes = {m: f for m, f in other.modes.items() if m in levers}
+    return other.warm_up()
+
+
+def _build(layer: Any) -> tuple[str, ...]:
+    """The classes of the layer's modules, in order: layers alike run the same code."""
+    return tuple(type(m).__name__ for m in layer.modules())
+
+
+def _refuse(
+    refused: dict[str, dict[int, str]] | None, lever: str, layers: list[Any], at: int, why: str
+) -> None:
+    """Every layer built as layers[at] is refused `lever`, for `why`."""
+    if refused is None:
+        return
+    build = _build(layers[at])
+    for i, layer in enumerate(layers):
+        if _build(layer) == build:
+            refused.setdefault(lever, {})[i] = why
+
+
+def _calls(
+    torch: Any, layers: list[Any], forward: Callable[[], Any], wanted: set[int]
+) -> dict[int, tuple]:
+    """The first call in `forward` of each layer whose index is `wanted` (see `_first_call`), by
+    its index."""
+    seen: dict[int, tuple] = {}
+    handles = []
+
+    def hook(index: int) -> Callable[..., None]:
+        def note(module: Any, args: tuple, kwargs: dict) -> None:
+            seen.setdefault(index, (args, dict(kwargs)))
+
+        return note
+
     try:
+        for i in wanted:
+            handles.append(layers[i].register_forward_pre_hook(hook(i), with_kwargs=True))
         with torch.no_grad():
             forward()
     finally:
-        handle.remove()
-    if not calls:
-        return None
-    args, kwargs = calls[0]
+        for handle in handles:
+            handle.remove()
+    out = {}
+    for i, (args, kwargs) in seen.items():
+        call = _first_call(torch, args, kwargs)
+        if call is not None:
+            out[i] = call
+    return out
+
+
+def _first_call(torch: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """A layer's positional and keyword arguments from its call in a forward run without a graph
+    (its cache, if any, taken out), and the position of its hidden states (its first
+    floating-point tensor)."""
     # no cache: a layer called again would append to the one the forward built, whose tensors
     # then carry the previous call's graph into the next
     for name, value in kwargs.items():

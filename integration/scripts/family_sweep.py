@@ -11,10 +11,16 @@ the same model without checkpointing, `use_reentrant=True` asked, train mode:
 - lora: PEFT LoRA on every linear layer (`target_modules="all-linear"`), the base frozen;
 - eval: bytes a grad-enabled forward saves in eval mode with checkpointing enabled, over train mode.
 
+With --budget, instead (run under GCPATCH_MEMORY_BUDGET): three SGD steps over 2 x 48 tokens (past
+the 32-token sliding window) with checkpointing enabled at the framework's default, the input
+embeddings frozen, each step's gradients against the same steps without checkpointing, and what
+each forward leaves alive for its backward (counted by a dispatch mode, as the budget tests do)
+over the same step's without checkpointing.
+
 A family whose tiny config does not build, or whose forward fails without checkpointing too, is
 reported with the reason: a limit of the generic shrinking, not a result.
 
-usage: family_sweep.py [MODEL_TYPE ...]     prints one line: RESULT {json}
+usage: family_sweep.py [--budget] [MODEL_TYPE ...]     prints one line: RESULT {json}
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import warnings
 import _common as c
 import families as f
 import torch
+from budget_train import HeldBytes
 
 SMALL = dict(
     f.LM,
@@ -85,6 +92,8 @@ SMALL = dict(
     linear_num_value_heads=4,
 )
 LIMIT_PARAMS = 30_000_000  # a default config whose other parts the keys above do not reach
+STEPS = 3
+BUDGET_IDS = torch.randint(3, f.V, (f.B, 48), generator=torch.Generator().manual_seed(1))
 
 
 def _shrunk(default) -> dict:
@@ -135,12 +144,50 @@ def _case(name: str, path, freeze: bool) -> dict:
     return {k: case[k] for k in ("wrong", "with_grad", "error", "use_reentrant")}
 
 
-def sweep(model_type: str) -> dict:
+def _train(model_type: str, checkpointing: bool) -> tuple[list[dict], list[int]]:
+    """Each step's trainable gradients and the bytes its forward left alive for the backward."""
+    torch.manual_seed(0)
+    model = _model(model_type)
+    f.freeze_input_embeddings(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    grads, held = [], []
+    for _ in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        with HeldBytes() as mode:
+            loss = f._first_float(model(input_ids=BUDGET_IDS)).float().pow(2).mean()
+        held.append(mode.alive())  # the output let go: what the loss's graph keeps
+        loss.backward()
+        grads.append(c.trainable_grads(model))
+        optimizer.step()
+    return grads, held
+
+
+def budget_case(model_type: str) -> dict:
+    try:
+        reference, plain = _train(model_type, checkpointing=False)
+    except Exception as exc:
+        return {"unrun": f"{type(exc).__name__}: {exc}"[:160]}
+    try:
+        grads, held = _train(model_type, checkpointing=True)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:200], "wrong": None}
+    return {
+        "error": None,
+        "wrong": [f.compare(g, r)["wrong"] for g, r in zip(grads, reference)],
+        "held_fraction": [round(h / p, 3) for h, p in zip(held, plain)],
+    }
+
+
+def _built(model_type: str) -> dict:
+    """Why `model_type` cannot be swept ({} when it can): unregistered, unbuilt or too large."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return {"unbuilt": "not registered", "unregistered": True}
-    row: dict = {}
     try:
         with torch.device("meta"):
             params = sum(p.numel() for p in _model(model_type).parameters())
@@ -148,6 +195,14 @@ def sweep(model_type: str) -> dict:
         return {"unbuilt": f"{type(exc).__name__}: {exc}"[:160]}
     if params > LIMIT_PARAMS:
         return {"unbuilt": f"{params / 1e6:.0f}M parameters after shrinking"}
+    return {}
+
+
+def sweep(model_type: str) -> dict:
+    unbuilt = _built(model_type)
+    if unbuilt:
+        return unbuilt
+    row: dict = {}
     f.BUILT[model_type] = (model_type, lambda: _model(model_type), f.ids_path, f.embeds_path)
     row["frozen/input_ids"] = _case(model_type, f.ids_path, freeze=True)
     row["frozen/inputs_embeds"] = _case(model_type, f.embeds_path, freeze=True)
@@ -166,8 +221,13 @@ def main(argv: list[str]) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     warnings.filterwarnings("ignore")
-    types = argv or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    c.emit({"families": {t: sweep(t) for t in types}})
+    budget = argv[:1] == ["--budget"]
+    types = (argv[1:] if budget else argv) or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if budget:
+        rows = {t: _built(t) or {"budget": budget_case(t)} for t in types}
+    else:
+        rows = {t: sweep(t) for t in types}
+    c.emit({"families": rows, "budget": budget})
 
 
 if __name__ == "__main__":

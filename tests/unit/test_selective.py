@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from gcpatch.budget import parse  # noqa: E402
-from gcpatch.step import feed_forward, planner, selective, shapes  # noqa: E402
+from gcpatch.step import feed_forward, layer_costs, planner, selective, shapes  # noqa: E402
 from gcpatch.step.cost_model import CostModel, Curve  # noqa: E402
 from gcpatch.step.solver import FEED_FORWARD, KEEP_ATTENTION, KEEP_MATMULS  # noqa: E402
 
@@ -249,6 +249,60 @@ def test_a_layer_whose_policy_keeps_nothing_checkpoints_whole_from_the_next_step
     assert again.modes[1] != "keep-matmuls" and plans.misfired == {(1, KEEP_MATMULS)}
     plans.apply(again)
     assert "context_fn" not in layers[1]._gradient_checkpointing_func.keywords
+
+
+class _WritesIntoItsOutput(transformers.models.llama.modeling_llama.LlamaMLP):
+    """Adds to its down projection's output in place, as GPT-OSS's experts add their bias to the
+    grouped matmul's (transformers/integrations/moe.py), and then takes an op that saves it (the
+    recompute stops after the last saved tensor it needs: a write after it goes unseen)."""
+
+    def forward(self, x):
+        hidden = (self.act_fn(self.gate_proj(x)) * self.up_proj(x)).flatten(0, -2)
+        out = torch.mm(hidden, self.down_proj.weight.t())  # 2-D, as the grouped matmul's
+        return torch.nn.functional.silu(out.add_(1.0)).view_as(x)
+
+
+def test_a_lever_a_layer_refuses_in_its_trial_is_left_out_on_that_build_alone():
+    """Keeping the matmuls caches the down projection's output, which that MLP then changes:
+    selective checkpointing refuses it in the backward. Tried once per build, the lever is left
+    out on the layer built so, offered on the others, and said in the plan's line and explain."""
+    model = _tiny("Llama", True, layers=3, intermediate_size=64)
+    layers = list(model.model.layers)
+    layers[1].mlp.__class__ = _WritesIntoItsOutput
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    keep = selective.Keep(KEEP_MATMULS)
+    func = selective.keeping(layers[1]._gradient_checkpointing_func, keep)
+    mlp = layers[1].mlp
+    with pytest.raises(RuntimeError, match="mutated"):  # the lever where it is not left out
+        func(mlp, x).sum().backward()
+    ids = torch.randint(0, 64, (2, 16))
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    measured = layer_costs.measure(
+        model,
+        layers,
+        lambda rows, tokens: lambda: model(input_ids=ids[:rows]),
+        (2, 16),
+        ["LlamaDecoderLayer"] * 3,
+    )
+    refused = measured.refused
+    assert list(refused) == [KEEP_MATMULS] and list(refused[KEEP_MATMULS]) == [1], refused
+    assert "mutated" in refused[KEEP_MATMULS][1]
+    kept = measured.model.kept_seconds
+    assert kept[1] is None
+    timed = measured.shares[KEEP_MATMULS] is not None
+    assert [kept[i] is not None for i in (0, 2)] == [timed, timed]
+    levers = {
+        "shares": measured.shares,
+        "not_offered": None,
+        "refused": {KEEP_MATMULS: {"layers": [1], "why": refused[KEEP_MATMULS][1]}},
+    }
+    said = planner._levers(levers)[0]
+    assert "keeping the matmuls: " in said and "mutated" in said, said
+    line = planner._refused_text({"measured": {"levers": levers, "layers": [{}] * 3}})
+    assert line.startswith("; keeping the matmuls left out on 1 of 3 layers, its trial failed ("), (
+        line
+    )
 
 
 # Samples of (plain, whole, keep) seconds `selective.shares` measured on one decoder layer of an
