@@ -215,9 +215,10 @@ def shares(
         return out
     # the inputs of the timed layer and of the first layer of every other build alone: each
     # holds a hidden state of the batch's slice
-    firsts: dict[tuple[str, ...], int] = {_build(layers[index]): index}
-    for i, m in enumerate(layers):
-        firsts.setdefault(_build(m), i)
+    builds = [_build(m) for m in layers]
+    firsts: dict[tuple[str, ...], int] = {builds[index]: index}
+    for i, build in enumerate(builds):
+        firsts.setdefault(build, i)
     calls = _calls(torch, layers, forward, set(firsts.values()))
     if index not in calls:
         return out
@@ -236,10 +237,11 @@ def shares(
 
     failed = trial.warm_up()  # a round not counted
     for lever, why in failed.items():
-        _refuse(refused, lever, layers, index, why)
+        _refuse(refused, lever, builds, index, why)
     for i in sorted(set(firsts.values()) - {index}):
-        for lever, why in _try(torch, layers[i], calls.get(i), split, i, trial).items():
-            _refuse(refused, lever, layers, i, why)
+        tried = _try(torch, layers[i], calls.get(i), split is None or split[i], trial)
+        for lever, why in tried.items():
+            _refuse(refused, lever, builds, i, why)
     modes = trial.modes
     if len(modes) == 2:
         return out
@@ -321,15 +323,13 @@ class _Trial:
         return failed
 
 
-def _try(
-    torch: Any, layer: Any, call: tuple | None, split: list[bool] | None, i: int, trial: _Trial
-) -> dict[str, str]:
+def _try(torch: Any, layer: Any, call: tuple | None, split: bool, trial: _Trial) -> dict[str, str]:
     """The levers `trial`'s layer runs, tried once on `layer` (of another build): those that
     failed there, and why."""
     levers = [mode for mode in trial.modes if mode not in ("plain", "whole")]
     if call is None or not levers:
         return {}
-    other = _Trial(torch, layer, call, split is None or split[i], trial.cuda)
+    other = _Trial(torch, layer, call, split, trial.cuda)
     other.modes = {m: f for m, f in other.modes.items() if m in levers}
     return other.warm_up()
 
@@ -340,14 +340,17 @@ def _build(layer: Any) -> tuple[str, ...]:
 
 
 def _refuse(
-    refused: dict[str, dict[int, str]] | None, lever: str, layers: list[Any], at: int, why: str
+    refused: dict[str, dict[int, str]] | None,
+    lever: str,
+    builds: list[tuple[str, ...]],
+    at: int,
+    why: str,
 ) -> None:
-    """Every layer built as layers[at] is refused `lever`, for `why`."""
+    """Every layer built as layer `at` (`builds`: each layer's) is refused `lever`, for `why`."""
     if refused is None:
         return
-    build = _build(layers[at])
-    for i, layer in enumerate(layers):
-        if _build(layer) == build:
+    for i, build in enumerate(builds):
+        if build == builds[at]:
             refused.setdefault(lever, {})[i] = why
 
 
