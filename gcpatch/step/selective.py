@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
 import sys
 import time
 from typing import Any, Callable, NamedTuple
@@ -44,6 +45,9 @@ CACHES = ("past_key_values", "past_key_value", "layer_past", "cache")
 # under two CI jobs on two cores, the fastest of five once put the fused layer's keep above 0.47 of
 # whole (the plan took 3 whole layers, not 2; quiet, it measures 0.16 to 0.20)
 ROUNDS, MAX_ROUNDS = 9, 15
+# a share is taken where the recompute clock's noise is within this share of whole's recompute: on
+# two loaded cores a tiny layer's recompute (2 x 64 tokens) timed 1 to 110 ms round to round
+RESOLUTION = 0.25
 
 
 class Lever(NamedTuple):
@@ -51,6 +55,13 @@ class Lever(NamedTuple):
     name: str  # in `gcpatch explain`
     says: str  # after a count of layers, in the plan's line
     idle: str = "saved nothing"  # after its name, where it did not fire
+
+
+class Timed(NamedTuple):
+    """One measured step of the layer: its seconds, and those of its recompute alone."""
+
+    total: float
+    recompute: float
 
 
 LEVERS = {
@@ -169,14 +180,6 @@ def keeping(func: functools.partial, policy: Keep) -> functools.partial:
     return functools.partial(func.func, *func.args, **{**func.keywords, CONTEXT_FN: policy.context})
 
 
-def switched(layers: list[Any], policies: list[Keep | None]) -> Any:
-    """The layers with a policy checkpointed under it (for a measuring pass); their own flags and
-    functions back afterwards."""
-    return swap.switched(
-        layers, [None if p is None else functools.partial(keeping, policy=p) for p in policies]
-    )
-
-
 def shares(
     layers: list[Any],
     forward: Callable[[], Any],
@@ -187,20 +190,23 @@ def shares(
     that offers them; its kind's kernels are the others'): called alone on the inputs it got in
     `forward` (the model's forward on the batch's slice, with every layer plain), its forward and
     backward (`torch.autograd.grad` on its input and trainable parameters: no `.grad` is touched)
-    plain, checkpointed whole and under each lever, interleaved, after a warm-up round;
-    (lever - plain) / (whole - plain) of each mode's fastest time (`_share`), in the process's CPU
-    time on a CPU (other jobs on a shared machine do not count), with more rounds while the clock
-    cannot tell whole from plain. One layer, not the model's step: a step's time on a shared CPU
-    moves by more than a layer's recompute, and a big plain step pays for its own memory, so steps
-    told the lever's cost by chance. The policy's Python call per op is in it, so a device where
-    that outweighs the recompute saved gets a share that makes the solver pass the option over.
-    None for a lever where no layer offers it, where its policy kept nothing in the warm-up round
-    (it would not fire; it is not timed further), or where the clock could not tell whole
-    checkpointing from plain. The feed-forward block checkpointed alone
-    (gcpatch/step/feed_forward.py) is timed the same way where the layer has one and `split` (the
-    measuring forward's word per layer) does not rule it out (None where the layer never called
-    it), and on an accelerator offloading (gcpatch/step/offload.py), its copies in it (a share
-    above 1).
+    plain, checkpointed whole and under each lever, interleaved, after a warm-up round; each
+    mode's recompute timed by itself, besides the step (`_share`: its recompute and what else it
+    adds to the step, over whole's), in the process's CPU time on a CPU (other jobs on a shared
+    machine do not count), with more rounds while the clock cannot tell. One layer, not the
+    model's step: a step's time on a shared CPU moves by more than a layer's recompute, and a big
+    plain step pays for its own memory, so steps told the lever's cost by chance; and the
+    recompute by itself, not the difference of two steps: on two loaded cores a layer's step
+    moved by as much as its recompute between rounds, and levers that recompute a third of a
+    layer measured at or below plain (shares of 0, which the solver took as free). The policy's
+    Python call per op is in it, so a device where that outweighs the recompute saved gets a
+    share that makes the solver pass the option over. None for a lever where no layer offers it,
+    where its policy kept nothing in the warm-up round (it would not fire; it is not timed
+    further), or where the clock could not time whole's recompute. The feed-forward block
+    checkpointed alone (gcpatch/step/feed_forward.py) is timed the same way where the layer has
+    one and `split` (the measuring forward's word per layer) does not rule it out (None where the
+    layer never called it), and on an accelerator offloading (gcpatch/step/offload.py), its
+    copies in it (a share above 1).
 
     A lever must also run: a model may write into an output the lever keeps (GPT-OSS's experts
     add their bias in place to the grouped matmul's output, transformers/integrations/moe.py),
@@ -225,13 +231,13 @@ def shares(
     layer = layers[index]
     cuda = any(p.is_cuda for p in layer.parameters())
     clock = time.perf_counter if cuda else time.process_time
-    trial = _Trial(torch, layer, calls[index], split is None or split[index], cuda)
+    trial = _Trial(torch, layer, calls[index], split is None or split[index], cuda, clock)
     for lever in trial.modes:
         if lever in (FEED_FORWARD, OFFLOAD):
             out[lever] = None
 
-    def step(mode: str) -> float:
-        spent = trial.step(mode, clock)
+    def step(mode: str) -> Timed:
+        spent = trial.step(mode)
         heap.release()  # outside the clock: what the step freed goes back (gcpatch/step/heap.py)
         return spent
 
@@ -245,7 +251,7 @@ def shares(
     modes = trial.modes
     if len(modes) == 2:
         return out
-    samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    samples: dict[str, list[Timed]] = {mode: [] for mode in modes}
     for round_ in range(1, MAX_ROUNDS + 1):
         for mode in modes:
             samples[mode].append(step(mode))
@@ -261,44 +267,53 @@ class _Trial:
     """One layer called alone on the inputs it got, plain, whole and under each lever it offers:
     `step(mode)` runs its forward and backward; `modes` holds those still to time."""
 
-    def __init__(self, torch: Any, layer: Any, call: tuple, split: bool, cuda: bool) -> None:
+    def __init__(
+        self,
+        torch: Any,
+        layer: Any,
+        call: tuple,
+        split: bool,
+        cuda: bool,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.torch, self.layer, self.cuda = torch, layer, cuda
         self.args, self.kwargs, self.at = call
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.policies = {lever: Keep(lever) for lever in LEVERS} if available(layer) else {}
+        self.watch = watch = _Recompute(clock, torch.cuda.synchronize if cuda else _nothing)
         self.modes: dict[str, Callable[[], Any]] = {
             "plain": contextlib.nullcontext,
-            "whole": lambda: swap.switched([layer], [_same]),
+            "whole": lambda: swap.switched([layer], [watch.around]),
         }
         for lever, policy in self.policies.items():
-            self.modes[lever] = functools.partial(switched, [layer], [policy])
+            timed = functools.partial(_timed_keeping, watch=watch, policy=policy)
+            self.modes[lever] = functools.partial(swap.switched, [layer], [timed])
         self.splitter = self.mover = None
+        func = own(getattr(layer, "_gradient_checkpointing_func", None))
         if splittable(layer) and split:
-            splitter = feed_forward.FeedForward(
-                own(layer._gradient_checkpointing_func), feed_forward.block(layer)
-            )
+            splitter = feed_forward.FeedForward(watch.around(func), feed_forward.block(layer))
             self.modes[FEED_FORWARD] = lambda: swap.switched([layer], [lambda _: splitter])
             self.splitter = splitter
         if offloadable(layer):
-            mover = offload.Offload(own(layer._gradient_checkpointing_func))
+            mover = offload.Offload(watch.around(func))
             self.modes[OFFLOAD] = lambda: swap.switched([layer], [lambda _: mover])
             self.mover = mover
 
-    def step(self, mode: str, clock: Callable[[], float] = time.perf_counter) -> float:
-        """The seconds of one forward and backward in `mode` (synchronized on an accelerator)."""
-        torch, args, at = self.torch, self.args, self.at
+    def step(self, mode: str) -> Timed:
+        """One forward and backward in `mode`: its seconds, and those of its recompute alone
+        (synchronized on an accelerator)."""
+        torch, args, at, watch = self.torch, self.args, self.at, self.watch
         # a view, not a leaf: a host's module tracker (a FLOP counter around the step) hooks the
         # layer's inputs, and autograd.grad refuses such hooks on a leaf
         hidden = args[at].detach().requires_grad_().view_as(args[at])
         with self.modes[mode]():
-            if self.cuda:
-                torch.cuda.synchronize()
-            start = clock()
+            watch.reset()
+            watch.sync()
+            start = watch.clock()
             value = _scalar(torch, self.layer(*args[:at], hidden, *args[at + 1 :], **self.kwargs))
             torch.autograd.grad(value, [hidden, *self.params], allow_unused=True)
-            if self.cuda:
-                torch.cuda.synchronize()
-            return clock() - start
+            watch.sync()
+            return Timed(watch.clock() - start, watch.seconds)
 
     def warm_up(self) -> dict[str, str]:
         """Each mode once; the levers that failed (why) or would not fire leave `modes`. Plain or
@@ -323,13 +338,65 @@ class _Trial:
         return failed
 
 
+class _Recompute:
+    """Times the recompute of the checkpoints it is `around` (`seconds`, since the last `reset`):
+    the calls of a checkpointed function made inside a backward (torch's checkpoint tells its
+    recompute by the same sign, torch/utils/checkpoint.py `_current_graph_task_id`; where torch
+    lacks it, the calls after the first). Non-reentrant checkpointing may stop a recompute early
+    by raising inside it: the time is taken whatever the call raised."""
+
+    def __init__(self, clock: Callable[[], float], sync: Callable[[], Any]) -> None:
+        self.clock, self.sync = clock, sync
+        self.seconds = 0.0
+        self._task = getattr(sys.modules["torch"]._C, "_current_graph_task_id", None)
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+    def around(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """The checkpoint function `func`, its recompute timed."""
+
+        def checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return func(self._timed(function), *args, **kwargs)
+
+        return checkpointed
+
+    def _timed(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        calls = 0
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            backward = calls > 1 if self._task is None else self._task() != -1
+            if not backward:
+                return function(*args, **kwargs)
+            self.sync()
+            start = self.clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.sync()
+                self.seconds += self.clock() - start
+
+        return timed
+
+
+def _timed_keeping(func: functools.partial, watch: _Recompute, policy: Keep) -> Any:
+    """The layer's own checkpoint function keeping what `policy` says, its recompute timed."""
+    return watch.around(keeping(func, policy))
+
+
+def _nothing() -> None:
+    return None
+
+
 def _try(torch: Any, layer: Any, call: tuple | None, split: bool, trial: _Trial) -> dict[str, str]:
     """The levers `trial`'s layer runs, tried once on `layer` (of another build): those that
     failed there, and why."""
     levers = [mode for mode in trial.modes if mode not in ("plain", "whole")]
     if call is None or not levers:
         return {}
-    other = _Trial(torch, layer, call, split, trial.cuda)
+    other = _Trial(torch, layer, call, split, trial.cuda, trial.watch.clock)
     other.modes = {m: f for m, f in other.modes.items() if m in levers}
     return other.warm_up()
 
@@ -404,22 +471,27 @@ def _first_call(torch: Any, args: tuple, kwargs: dict) -> tuple | None:
     return None if at is None else (tuple(args), kwargs, at)
 
 
-def _share(samples: dict[str, list[float]], lever: str) -> float | None:
-    """(lever - plain) / (whole - plain) of each mode's fastest time, where the clock can tell: the
-    recompute (whole's fastest less plain's) must exceed the clock's own noise (the widest gap
-    between a mode's two fastest times). A shared machine only adds to a time, so the fastest is
-    the truest; a loaded machine, or a layer whose recompute is too short to time, cannot tell
-    them apart, and None keeps the plan to whole layers rather than a lever chosen by chance."""
-    fastest = {mode: sorted(times)[:2] for mode, times in samples.items()}
-    noise = max(two[-1] - two[0] for two in fastest.values())
-    recompute = fastest["whole"][0] - fastest["plain"][0]
-    if recompute <= noise:
+def _share(samples: dict[str, list[Timed]], lever: str) -> float | None:
+    """What `lever` costs a step over plain, as a share of what checkpointing whole costs, where
+    the clock can tell. A mode's cost is its recompute, timed by itself (`Timed.recompute`; its
+    fastest: a shared machine only adds to a time), and what else it adds to the step (the
+    policy's Python call per op in the forward, offloading's copies): the median over rounds of
+    the rest of its step less the rest of plain's in the same round (a round's steps run back to
+    back, so a machine's load moves both), none where that is below zero. None where the
+    recompute clock's noise (the widest gap between a mode's two fastest recomputes) exceeds
+    RESOLUTION of whole's recompute: a loaded machine, or a layer whose recompute is too short to
+    time, keeps the plan to whole layers rather than a lever chosen by chance."""
+    recompute = {mode: sorted(t.recompute for t in times)[:2] for mode, times in samples.items()}
+    noise = max(two[-1] - two[0] for two in recompute.values())
+    if recompute["whole"][0] <= 0 or noise > RESOLUTION * recompute["whole"][0]:
         return None
-    return max(0.0, fastest[lever][0] - fastest["plain"][0]) / recompute
 
+    def cost(mode: str) -> float:
+        rests = zip(samples[mode], samples["plain"])
+        extra = statistics.median(t.total - t.recompute - p.total for t, p in rests)
+        return recompute[mode][0] + max(0.0, extra)
 
-def _same(func: Any) -> Any:
-    return func
+    return cost(lever) / cost("whole")
 
 
 def _scalar(torch: Any, output: Any) -> Any:

@@ -3,14 +3,15 @@ attention output (gcpatch/step/selective.py), or run plain with its feed-forward
 checkpointed (gcpatch/step/feed_forward.py). On real tiny models with dropout (Llama, Mixtral, PEFT
 LoRA): the gradients are those without checkpointing, each lever really fires, and the backward
 recomputes what it says; a layer planned with one that does nothing falls back to whole
-checkpointing, said once; their cost is measured on one layer called alone, from the modes'
-fastest times where the clock can tell."""
+checkpointing, said once; their cost is measured on one layer called alone, from each mode's
+recompute timed by itself and what else it adds to the step, where the clock can tell."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 import logging
+import time
 
 import pytest
 
@@ -305,45 +306,75 @@ def test_a_lever_a_layer_refuses_in_its_trial_is_left_out_on_that_build_alone():
     )
 
 
-# Samples of (plain, whole, keep) seconds `selective.shares` measured on one decoder layer of an
-# 8-layer Llama, 2 rows, forward and backward, 5 rounds (milliseconds, process CPU time): hidden
-# 256 x 1024 tokens, fused attention and attention dropout 0.1 (CPU sdpa then takes the math path,
-# whose softmax and dropout over tokens x tokens a kept matmul does not spare); hidden 32 x 64
-# tokens on a 2-core machine busy with two other training runs.
+# Samples of (step, its recompute alone) seconds `selective.shares` measured on one decoder layer
+# of an 8-layer Llama, 2 rows, forward and backward, the first 5 rounds (milliseconds, process CPU
+# time, two threads): hidden 256 x 1024 tokens, fused attention and attention dropout 0.1 (CPU sdpa
+# then takes the math path, whose softmax and dropout over tokens x tokens a kept matmul does not
+# spare); hidden 32 x 64 tokens on a 2-core machine busy with another training run.
 FUSED = {
-    "plain": [278, 263, 257, 258, 239],
-    "whole": [292, 335, 329, 332, 310],
-    "keep": [254, 278, 267, 297, 272],
+    "plain": [(413, 0), (419, 0), (460, 0), (397, 0), (434, 0)],
+    "whole": [(532, 118), (532, 120), (556, 114), (514, 110), (536, 114)],
+    "keep": [(483, 42), (491, 40), (485, 33), (477, 34), (469, 42)],
+    "feed-forward": [(479, 56), (473, 46), (463, 60), (467, 49), (485, 55)],
 }
 MATH_DROPOUT = {
-    "plain": [597, 617, 551, 617, 590],
-    "whole": [862, 900, 945, 952, 953],
-    "keep": [788, 833, 835, 870, 893],
+    "plain": [(991, 0), (1121, 0), (993, 0), (833, 0), (913, 0)],
+    "whole": [(1860, 526), (1703, 519), (1381, 423), (1345, 396), (1405, 443)],
+    "keep": [(1710, 413), (1492, 386), (1379, 340), (1309, 322), (1490, 359)],
 }
 TINY_LOADED = {
-    "plain": [339, 77, 7, 7, 105],
-    "whole": [455, 30, 15, 10, 14],
-    "keep": [348, 22, 16, 22, 25],
-}
-TINY_LOADED_AGAIN = {
-    "plain": [350, 348, 3, 11, 12],
-    "whole": [444, 280, 10, 18, 14],
-    "keep": [262, 77, 31, 18, 75],
+    "plain": [(12, 0), (12, 0), (12, 0), (12, 0), (8, 0)],
+    "whole": [(22, 2), (24, 6), (24, 2), (24, 2), (87, 10)],
+    "keep": [(44, 13), (37, 9), (25, 4), (156, 15), (38, 7)],
+    "feed-forward": [(22, 1), (21, 1), (23, 1), (13, 9), (13, 1)],
 }
 
 
 def _seconds(samples):
-    return {mode: [ms / 1000 for ms in times] for mode, times in samples.items()}
+    return {
+        mode: [selective.Timed(total / 1000, recompute / 1000) for total, recompute in times]
+        for mode, times in samples.items()
+    }
 
 
-def test_the_measured_share_is_of_the_modes_fastest_times_where_the_clock_can_tell():
+def test_the_share_is_the_modes_recompute_and_what_else_it_adds_where_the_clock_can_tell():
     share = selective._share
-    assert share(_seconds(FUSED), "keep") == pytest.approx((254 - 239) / (292 - 239))
-    assert share(_seconds(MATH_DROPOUT), "keep") == pytest.approx((788 - 551) / (862 - 551))
-    # a loaded machine: recomputes of 3 and 7 ms against gaps of 6 and 13 ms between a mode's two
-    # fastest times; neither chooses a lever (their medians said 0.48 and 1.70)
+    # keeping the matmuls: its fastest recompute, 33 ms, and the median of its rest less plain's
+    # round by round (441-413, 451-419, 452-460, 443-397, 427-434: 28 ms, its policy's calls in
+    # the forward); whole: 110 ms, its rest below plain's (a median of -7 ms) counts as none
+    assert share(_seconds(FUSED), "keep") == pytest.approx((33 + 28) / 110)
+    # the feed-forward block alone: 46 ms recomputed and 8 ms more of the rest (10, 8, -57, 21,
+    # -4). Where such a lever's step measured at or below plain's, the difference of the two
+    # fastest steps said it cost nothing, and the solver checkpointed the block everywhere
+    assert share(_seconds(FUSED), "feed-forward") == pytest.approx((46 + 8) / 110)
+    # with dropout, keeping recomputes softmax and dropout over tokens x tokens: 322 ms of whole's
+    # 396, and its rest 154 ms over plain's (306, -15, 46, 154, 218) against whole's 63
+    assert share(_seconds(MATH_DROPOUT), "keep") == pytest.approx((322 + 154) / (396 + 63))
+    # a loaded machine: keeping's two fastest recomputes 3 ms apart (4 and 7) against whole's
+    # fastest of 2 ms: no lever is chosen by that clock
     assert share(_seconds(TINY_LOADED), "keep") is None
-    assert share(_seconds(TINY_LOADED_AGAIN), "keep") is None
+
+
+def test_each_mode_times_its_recompute_alone_whatever_calls_the_checkpoint():
+    """transformers 5.x checkpoints a layer's `forward` inside its call, so the layer's own hooks
+    see one call with or without checkpointing (4.x checkpoints its `__call__`): the recompute is
+    timed around the function the checkpoint is handed. Plain has none; every other mode one, as
+    long as the step's own or shorter."""
+    model = _llama(checkpointing=True)
+    layers = list(model.model.layers)
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    ids = torch.randint(0, 64, (2, 16))
+    [call] = selective._calls(torch, layers, lambda: model(input_ids=ids), {0}).values()
+    trial = selective._Trial(torch, layers[0], call, True, False, time.process_time)
+    assert set(trial.modes) == {"plain", "whole", KEEP_MATMULS, KEEP_ATTENTION, FEED_FORWARD}
+    for mode in trial.modes:
+        timed = trial.step(mode)
+        if mode == "plain":
+            assert timed.recompute == 0.0, timed
+        else:
+            assert 0.0 < timed.recompute < timed.total, (mode, timed)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_the_share_is_measured_on_one_layer_called_alone_and_touches_no_grad():
