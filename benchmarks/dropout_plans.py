@@ -1,7 +1,8 @@
-"""With attention dropout on a CPU: is the budget's plan, chosen by measured time, the fastest of the
-plans that meet the budget, against plans that recompute fewer matmul FLOPs?
+"""With attention dropout on a CPU, or on PEFT LoRA: is the budget's plan, chosen by measured time,
+the fastest of the plans that meet the budget, against plans that recompute fewer matmul FLOPs?
 
     GCPATCH=1 python benchmarks/dropout_plans.py            # writes DROPOUT_PLANS.md
+    GCPATCH=1 python benchmarks/dropout_plans.py --lora     # writes LORA_PLANS.md
 
 An 8-layer Llama (hidden 256, 2 x 1024 tokens, sdpa, fp32, attention dropout 0.1, non-reentrant),
 the model of integration/test_budget_selective.py's dropout case. CPU attention with dropout runs
@@ -18,7 +19,13 @@ and none. Steps alternate plan by plan, `--rounds`
 times; each is timed in the thread's CPU time on one compute thread (other jobs on a shared machine
 do not count), with
 the bytes its forward holds (gcpatch's instrument) and the matmul FLOPs its backward recomputes
-(torch.utils.flop_counter, against the backward without checkpointing).
+(torch.utils.flop_counter over the step, forward and backward, CPU's fused attention kernel counted
+with torch's formula, against the step without checkpointing).
+
+`--lora`: the same model without dropout (fused attention) on PEFT LoRA (every projection, the
+base frozen), integration/scripts/budget_selective.py's `lora`. A frozen projection's output is
+held by no backward plainly, so keeping the matmuls holds nearly a plain layer there; the plans
+are of the feed-forward block alone, the attention output kept and whole layers.
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ os.environ.setdefault("GCPATCH_MEMORY_BUDGET", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from torch.utils import flop_counter  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BATCH, TOKENS, LAYERS = 2, 1024, 8
@@ -51,16 +57,30 @@ PLANS = {
     "full checkpointing": ["full"] * LAYERS,
     "no checkpointing": ["plain"] * LAYERS,
 }
+LORA_PLANS = {
+    "keeping every layer's matmuls": ["keep-matmuls"] * LAYERS,
+    "1 keeping its attention output, 7 feed-forward": ["keep-attention"]
+    + ["feed-forward"] * (LAYERS - 1),
+    "1 whole, 7 feed-forward": ["full"] + ["feed-forward"] * (LAYERS - 1),
+    "4 keeping their attention output, 4 feed-forward": ["keep-attention"] * 4
+    + ["feed-forward"] * 4,
+    "every layer's feed-forward block alone": ["feed-forward"] * LAYERS,
+    "full checkpointing": ["full"] * LAYERS,
+    "no checkpointing": ["plain"] * LAYERS,
+}
 
 
-def build():
-    """integration/scripts/budget_selective.py's model, with dropout, checkpointing enabled."""
-    sys.path.insert(0, str(HERE.parent / "integration" / "scripts"))
-    from budget_selective import build as selective_model
+def build(lora: bool):
+    """integration/scripts/budget_selective.py's model, with dropout (or on PEFT LoRA without),
+    checkpointing enabled."""
+    import budget_selective
 
-    model = selective_model(argparse.Namespace(dropout=0.1, dtype="float32")).train()
+    args = argparse.Namespace(dropout=0.0 if lora else 0.1, dtype="float32")
+    model = budget_selective.build(args)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    if lora:
+        model = budget_selective.lora(model, args)
+    return model.train()
 
 
 def modes_of(layers) -> list[str]:
@@ -103,7 +123,12 @@ def seconds(model, ids, seed: int) -> float:
 
 
 def figures(model, ids) -> tuple[int, int]:
-    """(bytes the forward holds for its backward, the backward's matmul FLOPs)."""
+    """(bytes the forward holds for its backward, the step's matmul and attention FLOPs). The FLOP
+    counter's module tracker sees the forward too: around a backward alone it breaks a selective
+    checkpoint's recompute on PEFT LoRA ("aten.view.default invocation index 16 encountered during
+    backward but not found in storage", torch 2.13, a user's own context_fn alike)."""
+    from budget_selective import counting
+
     from gcpatch.step.held import held_bytes
 
     model.zero_grad(set_to_none=True)
@@ -111,25 +136,31 @@ def figures(model, ids) -> tuple[int, int]:
     with held_bytes() as held:
         loss = model(input_ids=ids, labels=ids).loss
     nbytes = held.total(returned=loss)
-    counter = flop_counter.FlopCounterMode(display=False)
+    del loss
+    torch.manual_seed(1)
+    counter = counting()
     with counter:
-        loss.backward()
+        model(input_ids=ids, labels=ids).loss.backward()
     return nbytes, counter.get_total_flops()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--lora", action="store_true", help="PEFT LoRA, no dropout")
     args = parser.parse_args()
+    sys.path.insert(0, str(HERE.parent / "integration" / "scripts"))
     # one compute thread, so the thread's CPU time is the step's (memory_budget.py's clock)
     torch.set_num_threads(1)
     import gcpatch  # noqa: F401 (GCPATCH=1 armed it already; an import is the documented switch)
 
-    model = build()
-    layers = list(model.model.layers)
+    model = build(args.lora)
+    from budget_selective import decoder_layers
+
+    layers = decoder_layers(model)
     ids = torch.randint(0, 256, (BATCH, TOKENS), generator=torch.Generator().manual_seed(3))
     seconds(model, ids, 0)  # the first step: gcpatch measures and plans
-    plans = {"gcpatch's plan": modes_of(layers), **PLANS}
+    plans = {"gcpatch's plan": modes_of(layers), **(LORA_PLANS if args.lora else PLANS)}
     own = [m._gradient_checkpointing_func for m in layers]
     model.gradient_checkpointing_disable()  # gcpatch leaves a disabled model alone
     from gcpatch.step import selective
@@ -144,23 +175,27 @@ def main() -> None:
         for name, modes in plans.items():
             set_plan(layers, own, modes)
             times[name].append(seconds(model, ids, 100 + round_))
-    write(plans, times, measured, args.rounds)
+    write(plans, times, measured, args.rounds, args.lora)
 
 
-def write(plans, times, figures, rounds) -> None:
+def write(plans, times, figures, rounds, lora: bool) -> None:
     plain_bytes, plain_flops = figures["no checkpointing"]
     full_flops = figures["full checkpointing"][1] - plain_flops
     plain_s = statistics.median(times["no checkpointing"])
     full_over = statistics.median(times["full checkpointing"]) / plain_s - 1
     lines = [
-        "# With attention dropout: the budget's plan against plans recomputing fewer FLOPs",
+        "# On PEFT LoRA: the budget's plan against plans recomputing fewer FLOPs"
+        if lora
+        else "# With attention dropout: the budget's plan against plans recomputing fewer FLOPs",
         "",
-        f"Generated by `GCPATCH=1 python benchmarks/dropout_plans.py --rounds {rounds}` (torch "
+        f"Generated by `GCPATCH=1 python benchmarks/dropout_plans.py --rounds {rounds}"
+        f"{' --lora' if lora else ''}` (torch "
         f"{torch.__version__}, {torch.get_num_threads()} thread(s), CPU). See the script's "
         "docstring. bytes: the forward's held bytes / no checkpointing's; FLOPs: matmul FLOPs "
         "recomputed / full checkpointing's; time: median step thread time / no checkpointing's; "
         "overhead: its excess / full checkpointing's. layers: `W` whole, `K` keeping the matmuls, "
-        "`P` plain, `F` (where any) plain with the MLP alone checkpointed.",
+        "`A` (where any) keeping the attention output, `P` plain, `F` (where any) plain with the "
+        "MLP alone checkpointed.",
         "",
         "| plan | layers | bytes | FLOPs | time | overhead |",
         "|---|---|---|---|---|---|",
@@ -168,18 +203,24 @@ def write(plans, times, figures, rounds) -> None:
     for name, modes in plans.items():
         nbytes, flops = figures[name]
         over = statistics.median(times[name]) / plain_s - 1
-        letters = (("full", "W"), ("keep-matmuls", "K"), ("plain", "P"), ("feed-forward", "F"))
+        letters = (
+            ("full", "W"),
+            ("keep-matmuls", "K"),
+            ("keep-attention", "A"),
+            ("plain", "P"),
+            ("feed-forward", "F"),
+        )
         counted = " ".join(
             f"{modes.count(m)}{letter}"
             for m, letter in letters
-            if m != "feed-forward" or m in modes
+            if m not in ("feed-forward", "keep-attention") or m in modes
         )
         lines.append(
             f"| {name} | {counted} | {nbytes / plain_bytes:.3f} | "
             f"{(flops - plain_flops) / full_flops:.3f} | {over + 1:.3f} | "
             f"{over / full_over:.2f} |"
         )
-    (HERE / "DROPOUT_PLANS.md").write_text("\n".join(lines) + "\n")
+    (HERE / ("LORA_PLANS.md" if lora else "DROPOUT_PLANS.md")).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
