@@ -1,8 +1,9 @@
 """With attention dropout on a CPU, or on PEFT LoRA: is the budget's plan, chosen by measured time,
 the fastest of the plans that meet the budget, against plans that recompute fewer matmul FLOPs?
 
-    GCPATCH=1 python benchmarks/dropout_plans.py            # writes DROPOUT_PLANS.md
-    GCPATCH=1 python benchmarks/dropout_plans.py --lora     # writes LORA_PLANS.md
+    GCPATCH=1 python benchmarks/dropout_plans.py                  # writes DROPOUT_PLANS.md
+    GCPATCH=1 python benchmarks/dropout_plans.py --setup lora     # writes LORA_PLANS.md
+    GCPATCH=1 python benchmarks/dropout_plans.py --setup fused    # writes FUSED_PLANS.md
 
 An 8-layer Llama (hidden 256, 2 x 1024 tokens, sdpa, fp32, attention dropout 0.1, non-reentrant),
 the model of integration/test_budget_selective.py's dropout case. CPU attention with dropout runs
@@ -22,10 +23,12 @@ the bytes its forward holds (gcpatch's instrument) and the matmul FLOPs its back
 (torch.utils.flop_counter over the step, forward and backward, CPU's fused attention kernel counted
 with torch's formula, against the step without checkpointing).
 
-`--lora`: the same model without dropout (fused attention) on PEFT LoRA (every projection, the
-base frozen), integration/scripts/budget_selective.py's `lora`. A frozen projection's output is
-held by no backward plainly, so keeping the matmuls holds nearly a plain layer there; the plans
-are of the feed-forward block alone, the attention output kept and whole layers.
+`--setup lora`: the same model without dropout (fused attention) on PEFT LoRA (every projection,
+the base frozen), integration/scripts/budget_selective.py's `lora`. A frozen projection's output
+is held by no backward plainly, so keeping the matmuls holds nearly a plain layer there; the plans
+are of the feed-forward block alone, the attention output kept and whole layers. `--setup fused`:
+the same model without dropout (fused attention), against the plan the budget made at 0.5 when a
+lever's cost was the difference of two steps (6 keeping their matmuls, 2 their attention output).
 """
 
 from __future__ import annotations
@@ -70,12 +73,29 @@ LORA_PLANS = {
 }
 
 
-def build(lora: bool):
-    """integration/scripts/budget_selective.py's model, with dropout (or on PEFT LoRA without),
-    checkpointing enabled."""
+FUSED_PLANS = {
+    "6 keeping, 2 keeping their attention output": ["keep-matmuls"] * 6 + ["keep-attention"] * 2,
+    "1 keeping, 7 feed-forward": ["keep-matmuls"] + ["feed-forward"] * (LAYERS - 1),
+    "4 keeping, 1 its attention output, 3 feed-forward": ["keep-matmuls"] * 4
+    + ["keep-attention"]
+    + ["feed-forward"] * 3,
+    "full checkpointing": ["full"] * LAYERS,
+    "no checkpointing": ["plain"] * LAYERS,
+}
+# --setup: (attention dropout, PEFT LoRA, the plans beside gcpatch's, the file it writes, its title)
+SETUPS = {
+    "dropout": (0.1, False, PLANS, "DROPOUT_PLANS.md", "With attention dropout"),
+    "lora": (0.0, True, LORA_PLANS, "LORA_PLANS.md", "On PEFT LoRA"),
+    "fused": (0.0, False, FUSED_PLANS, "FUSED_PLANS.md", "With fused attention"),
+}
+
+
+def build(dropout: float, lora: bool):
+    """integration/scripts/budget_selective.py's model (with `dropout`, on PEFT LoRA where `lora`),
+    checkpointing enabled, non-reentrant."""
     import budget_selective
 
-    args = argparse.Namespace(dropout=0.0 if lora else 0.1, dtype="float32")
+    args = argparse.Namespace(dropout=dropout, dtype="float32")
     model = budget_selective.build(args)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora:
@@ -147,20 +167,21 @@ def figures(model, ids) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--lora", action="store_true", help="PEFT LoRA, no dropout")
+    parser.add_argument("--setup", choices=SETUPS, default="dropout")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE.parent / "integration" / "scripts"))
     # one compute thread, so the thread's CPU time is the step's (memory_budget.py's clock)
     torch.set_num_threads(1)
     import gcpatch  # noqa: F401 (GCPATCH=1 armed it already; an import is the documented switch)
 
-    model = build(args.lora)
+    dropout, lora, others, _, _ = SETUPS[args.setup]
+    model = build(dropout, lora)
     from budget_selective import decoder_layers
 
     layers = decoder_layers(model)
     ids = torch.randint(0, 256, (BATCH, TOKENS), generator=torch.Generator().manual_seed(3))
     seconds(model, ids, 0)  # the first step: gcpatch measures and plans
-    plans = {"gcpatch's plan": modes_of(layers), **(LORA_PLANS if args.lora else PLANS)}
+    plans = {"gcpatch's plan": modes_of(layers), **others}
     own = [m._gradient_checkpointing_func for m in layers]
     model.gradient_checkpointing_disable()  # gcpatch leaves a disabled model alone
     from gcpatch.step import selective
@@ -175,24 +196,23 @@ def main() -> None:
         for name, modes in plans.items():
             set_plan(layers, own, modes)
             times[name].append(seconds(model, ids, 100 + round_))
-    write(plans, times, measured, args.rounds, args.lora)
+    write(plans, times, measured, args.rounds, args.setup)
 
 
-def write(plans, times, figures, rounds, lora: bool) -> None:
+def write(plans, times, figures, rounds, setup: str) -> None:
+    _, _, _, filename, title = SETUPS[setup]
     plain_bytes, plain_flops = figures["no checkpointing"]
     full_flops = figures["full checkpointing"][1] - plain_flops
     plain_s = statistics.median(times["no checkpointing"])
     full_over = statistics.median(times["full checkpointing"]) / plain_s - 1
     lines = [
-        "# On PEFT LoRA: the budget's plan against plans recomputing fewer FLOPs"
-        if lora
-        else "# With attention dropout: the budget's plan against plans recomputing fewer FLOPs",
+        f"# {title}: the budget's plan against plans recomputing fewer FLOPs",
         "",
         f"Generated by `GCPATCH=1 python benchmarks/dropout_plans.py --rounds {rounds}"
-        f"{' --lora' if lora else ''}` (torch "
+        f"{'' if setup == 'dropout' else ' --setup ' + setup}` (torch "
         f"{torch.__version__}, {torch.get_num_threads()} thread(s), CPU). See the script's "
-        "docstring. bytes: the forward's held bytes / no checkpointing's; FLOPs: matmul FLOPs "
-        "recomputed / full checkpointing's; time: median step thread time / no checkpointing's; "
+        "docstring. bytes: the forward's held bytes / no checkpointing's; FLOPs: matmul and "
+        "attention FLOPs recomputed / full checkpointing's; time: median step thread time / no checkpointing's; "
         "overhead: its excess / full checkpointing's. layers: `W` whole, `K` keeping the matmuls, "
         "`A` (where any) keeping the attention output, `P` plain, `F` (where any) plain with the "
         "MLP alone checkpointed.",
@@ -220,7 +240,7 @@ def write(plans, times, figures, rounds, lora: bool) -> None:
             f"{(flops - plain_flops) / full_flops:.3f} | {over + 1:.3f} | "
             f"{over / full_over:.2f} |"
         )
-    (HERE / ("LORA_PLANS.md" if lora else "DROPOUT_PLANS.md")).write_text("\n".join(lines) + "\n")
+    (HERE / filename).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -20,21 +20,20 @@ the budget, exact gradients, a layer keeping its matmuls recomputing none of the
 its attention output recomputing all but its attention, and a layer with its MLP alone
 checkpointed recomputing what that MLP does.
 
-Without dropout CPU attention is one fused kernel, and a layer keeping its matmuls costs about a
-fifth of a whole layer's recompute: at 0.5 the plan recomputes at most 0.35 of full
-checkpointing's FLOPs. That run's enable asks for non-reentrant checkpointing, as a user of
-transformers 4.x who wants selective checkpointing does: 4.x defaults to reentrant, which the
-levers cannot run under, and there (the other runs on 4.57) the plan is of whole layers. At 0.3
-keeping the matmuls of every layer holds too much, and keeping the attention output (about 0.7 of
-a whole layer's recompute on this CPU, half its FLOPs) or the MLP alone takes the place of whole
-layers. With dropout CPU attention runs unfused (softmax and dropout over tokens x tokens,
-recomputed by the matmul lever; no kernel for the attention lever to keep), keeping has cost
-0.55-0.78 of a whole layer on a quiet machine and up to 1.4 on a loaded one; above about 0.7 the
-cheapest plan in time checkpoints more layers whole (0.54-0.56 of the FLOPs at 0.75); there the
-FLOPs are only what its modes say. benchmarks/DROPOUT_PLANS.md times those plans against ones
-recomputing fewer FLOPs on whole steps: there every layer keeping its matmuls cost more than full
-checkpointing, and the plans at 0.17 and 0.25 of the FLOPs 0.90 of its overhead, against 0.51 for
-the plan chosen."""
+Without dropout CPU attention is one fused kernel, and a layer keeping its matmuls costs a
+quarter to a half of a whole layer's recompute (each recompute timed by itself): at 0.5 the plan
+recomputes at most 0.35 of full checkpointing's FLOPs. That run's enable asks for non-reentrant
+checkpointing, as a user of transformers 4.x who wants selective checkpointing does: 4.x defaults
+to reentrant, which the levers cannot run under, and there (the other runs on 4.57) the plan is of
+whole layers. At 0.3 keeping the matmuls of every layer holds too much, and keeping the attention
+output (about 0.7 of a whole layer's recompute on this CPU, half its FLOPs) or the MLP alone
+takes the place of whole layers. With dropout CPU attention runs unfused (softmax and dropout over
+tokens x tokens, recomputed by the matmul lever; no kernel for the attention lever to keep),
+keeping costs 0.8 to 1.1 of a whole layer, and the cheapest plan in time checkpoints 2 to 4
+layers whole (0.33 to 0.56 of the FLOPs); there the FLOPs are only what its modes say.
+benchmarks/DROPOUT_PLANS.md times those plans against ones recomputing fewer FLOPs on whole steps:
+there every layer keeping its matmuls cost more than full checkpointing, and the plans at 0.17 and
+0.25 of the FLOPs 0.80 and 1.07 of its overhead, against 0.47 for the plan chosen."""
 
 from __future__ import annotations
 
