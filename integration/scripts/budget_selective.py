@@ -23,8 +23,9 @@ usage: budget_selective.py [--setup loop|lora|trainer] [--dropout 0.1]
   --budget: GCPATCH_MEMORY_BUDGET (default 0.5)
   --dtype: the model's dtype (float32 by default; in bfloat16 a layer's norm saves an fp32 copy
            of its input, so only a checkpoint holds the input itself)
-  --tokens: each step's token count (default 1024,1024,1024); lengths that differ (the loop alone)
-           report each step against the same step without checkpointing, and nothing else
+  --tokens: each step's token count (default 1024,1024,1024; the Trainer's steps take the first);
+           lengths that differ (the loop alone) report each step against the same step without
+           checkpointing, and nothing else
 prints one line: RESULT {json}
 """
 
@@ -150,7 +151,10 @@ def trainer(args, checkpointing) -> dict:
     out_dir = tempfile.mkdtemp(prefix="budget-selective-", dir=".")
     arguments = c.measured_trainer_args(out_dir, BATCH, 3, checkpointing)
     Measuring(
-        model=model, args=arguments, train_dataset=c.Batch(ids()), optimizers=(probe, None)
+        model=model,
+        args=arguments,
+        train_dataset=c.Batch(ids()[:, : args.tokens[0]]),
+        optimizers=(probe, None),
     ).train()
     out["grads"], out["modes"] = probe.grads, modes(model)
     return out
