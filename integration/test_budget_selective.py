@@ -11,13 +11,13 @@ The unchanged user script (scripts/budget_selective.py: an 8-layer Llama, 2 x 10
 measures by itself what the forward holds, the FLOPs recomputed (torch.utils.flop_counter over
 matmuls and attention, CPU's fused attention kernel counted with torch's own formula) and every
 gradient against the run without checkpointing, in a training loop without dropout and with
-attention dropout 0.1, and under transformers' Trainer on PEFT LoRA with attention and LoRA
-dropout 0.1 (2 x 512 tokens), at budget 0.5; without dropout at 0.3, in bf16 at 0.15 over 2 x 128 tokens (a plain
-forward lets each layer's input die there, a checkpoint keeps it), and under a 100 MiB size over
-batches whose length changes (each shape planned for itself, levers included). Which layers get
-which lever depends on the timings measured on this machine; what every plan must hold does not:
-the budget, exact gradients, a layer keeping its matmuls recomputing none of them, a layer keeping
-its attention output recomputing all but its attention, and a layer with its MLP alone
+attention dropout 0.1, and under transformers' Trainer on PEFT LoRA with attention and LoRA dropout
+0.1 (2 x 512 tokens), at budget 0.5; without dropout at 0.3, in bf16 at 0.15 over 2 x 128 tokens (a
+plain forward lets each layer's input die there, a checkpoint keeps it), and under a 100 MiB size
+over batches whose length changes (each shape planned for itself, levers included). Which layers
+get which lever depends on the timings measured on this machine; what every plan must hold does
+not: the budget, exact gradients, a layer keeping its matmuls recomputing none of them, a layer
+keeping its attention output recomputing all but its attention, and a layer with its MLP alone
 checkpointed recomputing what that MLP does.
 
 Without dropout CPU attention is one fused kernel, and a layer keeping its matmuls costs a
