@@ -113,6 +113,9 @@ class CostModel:
     # held and seconds at `timed_at` (None: not offered on that layer)
     feed_forward: list[Curve | None] | None = None
     feed_forward_seconds: list[float | None] | None = None
+    # what each lever recomputes of a whole layer's matmul FLOPs, counted on one layer
+    # (gcpatch/step/selective.py `_Trial.matmul_shares`); None where not counted
+    matmul_shares: dict[str, float] | None = None
 
     def layers(self, rows: int, tokens: int) -> tuple[list[LayerCost], float]:
         """Every layer's cost and what runs outside the layers, at this shape."""
@@ -142,6 +145,7 @@ class CostModel:
                     offloaded_seconds=off_s,
                     feed_forward=ff,
                     feed_forward_seconds=ff_s,
+                    matmuls=tuple(sorted((self.matmul_shares or {}).items())),
                 )
             )
         return out, self.outside(rows, tokens)
@@ -178,6 +182,7 @@ class CostModel:
             "offloaded_seconds": self.offloaded_seconds,
             "feed_forward": _curves(self.feed_forward),
             "feed_forward_seconds": self.feed_forward_seconds,
+            "matmul_shares": self.matmul_shares,
         }
 
     @classmethod
@@ -199,6 +204,7 @@ class CostModel:
             offloaded_seconds=data.get("offloaded_seconds"),
             feed_forward=_read_curves(data.get("feed_forward")),
             feed_forward_seconds=data.get("feed_forward_seconds"),
+            matmul_shares=data.get("matmul_shares"),
         )
 
 

@@ -129,8 +129,9 @@ def measure(
     # without `levers` none is timed, and a lever without a share has no seconds on any layer,
     # nor on a layer whose build refused it in its trial run
     refused: dict[str, dict[int, str]] = {}
+    matmuls: dict[str, float] = {}
     shares = (
-        selective.shares(layers, run(*timed_at), splits, refused)
+        selective.shares(layers, run(*timed_at), splits, refused, matmuls)
         if levers
         else dict.fromkeys(selective.LEVERS)
     )
@@ -155,6 +156,7 @@ def measure(
         offloaded_seconds=lever_seconds(OFFLOAD, offloads),
         feed_forward=[Curve.fit(f) if ok else None for f, ok in zip(split, splits)],
         feed_forward_seconds=lever_seconds(FEED_FORWARD, splits),
+        matmul_shares=matmuls or None,
         outside=Curve.fit(outside),
         seconds=seconds,
         timed_at=timed_at,

@@ -200,6 +200,7 @@ def _measure(
             "note": note,
             "levers": {
                 "shares": measured.shares,
+                "matmul_flops": measured.model.matmul_shares,
                 "not_offered": measured.not_offered,
                 "refused": {
                     lever: {"layers": sorted(by_layer), "why": next(iter(by_layer.values()))}
@@ -370,8 +371,10 @@ def _levers(levers: dict) -> list[str]:
             idle = "its policy kept nothing" if lever in selective.LEVERS else f"it {named.idle}"
             out.append(f"{name}: not chosen, its cost could not be told on this clock (or {idle})")
         else:
+            flops = (levers.get("matmul_flops") or {}).get(lever)
             out.append(
                 f"{name}: costs {share:.2f} of a whole layer's recompute (measured on one layer)"
+                + ("" if flops is None else f", {flops:.2f} of its matmul FLOPs (counted)")
                 + (
                     f"; not offered on layers {refused['layers']}, their trial failed"
                     f" ({refused['why']})"

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import statistics
 import sys
 import time
 from typing import Any, Callable, NamedTuple
 
-from gcpatch.step import feed_forward, heap, offload, swap
+from gcpatch.step import feed_forward, flops, heap, offload, swap
 from gcpatch.step.held import attention_ops, matmul_ops
 from gcpatch.step.solver import FEED_FORWARD, KEEP_ATTENTION, KEEP_MATMULS, OFFLOAD
 from gcpatch.step.swap import CONTEXT_FN
@@ -48,6 +49,8 @@ ROUNDS, MAX_ROUNDS = 9, 15
 # a share is taken where the recompute clock's noise is within this share of whole's recompute: on
 # two loaded cores a tiny layer's recompute (2 x 64 tokens) timed 1 to 110 ms round to round
 RESOLUTION = 0.25
+
+log = logging.getLogger("gcpatch")
 
 
 class Lever(NamedTuple):
@@ -185,6 +188,7 @@ def shares(
     forward: Callable[[], Any],
     split: list[bool] | None = None,
     refused: dict[str, dict[int, str]] | None = None,
+    matmuls: dict[str, float] | None = None,
 ) -> dict[str, float | None]:
     """What each lever costs a step against checkpointing whole, measured on one layer (the first
     that offers them; its kind's kernels are the others'): called alone on the inputs it got in
@@ -213,7 +217,10 @@ def shares(
     which selective checkpointing refuses in the backward. Each lever is tried once, forward and
     backward, on the timed layer and on the first layer of every other build (its modules'
     classes: a dense first layer before mixture-of-experts ones); a lever that fails is not
-    offered on the layers of that build, and `refused` gets {lever: {layer index: why}}."""
+    offered on the layers of that build, and `refused` gets {lever: {layer index: why}}.
+
+    `matmuls` gets what each lever recomputes of whole's matmul FLOPs, counted once on the timed
+    layer (`_Trial.matmul_shares`): the clock-free measure the solver breaks its ties by."""
     torch = sys.modules["torch"]
     out: dict[str, float | None] = dict.fromkeys(LEVERS)
     index = next((i for i, m in enumerate(layers) if available(m) or offloadable(m)), None)
@@ -251,6 +258,8 @@ def shares(
     modes = trial.modes
     if len(modes) == 2:
         return out
+    if matmuls is not None:
+        matmuls.update(trial.matmul_shares())
     samples: dict[str, list[Timed]] = {mode: [] for mode in modes}
     for round_ in range(1, MAX_ROUNDS + 1):
         for mode in modes:
@@ -314,6 +323,38 @@ class _Trial:
             torch.autograd.grad(value, [hidden, *self.params], allow_unused=True)
             watch.sync()
             return Timed(watch.clock() - start, watch.seconds)
+
+    def matmul_shares(self) -> dict[str, float]:
+        """What each lever still to time recomputes of whole's matmul FLOPs: each mode's step
+        counted once (gcpatch/step/flops.py), less plain's, over whole's less plain's. Empty where
+        this torch has no counter, or the count failed (said in one line)."""
+        counts: dict[str, float] = {}
+        for mode in self.modes:
+            counting = flops.counter()
+            if counting is None:
+                return {}
+            try:
+                with counting:
+                    self.step(mode)
+            except Exception as exc:  # noqa: BLE001 (the ties are broken by seconds instead)
+                log.warning(
+                    "gcpatch: counting the levers' FLOPs failed (%s: %s); the budget breaks its"
+                    " ties by their seconds",
+                    type(exc).__name__,
+                    exc,
+                )
+                return {}
+            finally:
+                heap.release()
+            counts[mode] = float(counting.get_total_flops())
+        plain, whole = counts["plain"], counts["whole"] - counts["plain"]
+        if whole <= 0:
+            return {}
+        return {
+            mode: max(0.0, (count - plain) / whole)
+            for mode, count in counts.items()
+            if mode not in ("plain", "whole")
+        }
 
     def warm_up(self) -> dict[str, str]:
         """Each mode once; the levers that failed (why) or would not fire leave `modes`. Plain or

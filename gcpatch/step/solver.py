@@ -35,8 +35,11 @@ MAX_FRONT = 2000
 # Plans whose measured recompute is within this share of full checkpointing's of the cheapest are
 # one price on this clock: the lever's measured cost moved by more between runs on a shared CPU
 # (keeping the matmuls measured 0.16 to 0.35 of a whole layer for one model). Among them the plan
-# recomputing the fewest matmuls (the seconds of its whole and attention-keeping layers) wins: the
-# matmul FLOPs it recomputes do not move with the clock (`_fewest_matmuls`).
+# recomputing the fewest matmuls wins (`_fewest_matmuls`, `LayerCost.redone`): their FLOPs,
+# counted on one layer, do not move with the clock. Weighed by seconds instead, a CI run's loaded
+# clock planned 1 whole layer and 6 with the feed-forward block alone (0.37 of full checkpointing's
+# FLOPs): where the block alone measures above half a whole layer that plan is both the cheapest
+# and the fewest matmul seconds, while 8 so recompute 0.33 (tests/unit/test_budget.py).
 SLACK = 0.05
 
 
@@ -73,6 +76,9 @@ class LayerCost:
     # run plain with its feed-forward block alone checkpointed (gcpatch/step/feed_forward.py)
     feed_forward: float | None = None
     feed_forward_seconds: float = 0.0
+    # what each lever recomputes of the layer's matmul FLOPs, as a share of whole's (counted on
+    # one layer, gcpatch/step/flops.py): (mode, share) pairs; empty where not counted
+    matmuls: tuple[tuple[str, float], ...] = ()
 
     @property
     def shed(self) -> float:
@@ -108,6 +114,17 @@ class LayerCost:
             OFFLOAD: self.offloaded_seconds,
             FEED_FORWARD: self.feed_forward_seconds,
         }[mode]
+
+    def redone(self, mode: str) -> float:
+        """The matmuls running in `mode` recomputes, in seconds of the layer's whole recompute:
+        its counted FLOPs' share of whole's (whole and offloaded: all of them), else, not counted,
+        the mode's seconds where it recomputes matmuls (RECOMPUTES_MATMULS)."""
+        counted = dict(self.matmuls)
+        if counted and mode in (FULL, OFFLOAD):
+            return self.seconds
+        if mode in counted:
+            return counted[mode] * self.seconds
+        return self.cost(mode) if mode in RECOMPUTES_MATMULS else 0.0
 
     def options(self) -> list[tuple[str, float, float]]:
         """(mode, bytes shed, seconds) of each useful way to run this layer, plain first: a lever
@@ -258,18 +275,21 @@ def _fewest_matmuls(
     layers: Sequence[LayerCost], need: float, bound: float
 ) -> list[tuple[int, str]] | None:
     """Exact: among the choices shedding at least `need` bytes within `bound` seconds, the one
-    whose matmul recompute (the seconds of its layers in RECOMPUTES_MATMULS) is least (ties: fewer
-    seconds). Interchangeable layers are one group (`_groups`), chosen by how many of them run in
-    each mode (`_mixes`, of which only those no other mix of the group beats on bytes shed, seconds
-    and matmul recompute at once can be part of the best); the states kept between groups are
+    whose matmul recompute (`LayerCost.redone`: counted FLOPs, else the seconds of its layers in
+    RECOMPUTES_MATMULS) is least (ties: fewer seconds). Interchangeable layers are one group
+    (`_groups`), chosen by how many of them run in each mode (`_mixes`, of which only those no
+    other mix of the group beats on bytes shed, seconds and matmul recompute at once can be part
+    of the best); the states kept between groups are
     those no other shedding as much beats on both seconds and matmul recompute (`_undominated`),
     and that can still shed `need` with the groups left. None when they outgrow MAX_FRONT."""
     groups = list(_groups(layers).values())
     picks, mixes = [], []
     for members in groups:
-        options = layers[members[0]].options()[1:]
+        first = layers[members[0]]
+        options = first.options()[1:]
         picks.append([mode for mode, _, _ in options])
-        found = _undominated(list(_mixes(len(members), options, bound)), need)
+        redone = {mode: first.redone(mode) for mode, _, _ in options}
+        found = _undominated(list(_mixes(len(members), options, bound, redone)), need)
         mixes.append(sorted(found, key=lambda mix: mix[1]))
     # the most the groups from each one on can shed
     reach = [0.0] * (len(groups) + 1)
@@ -303,23 +323,23 @@ def _fewest_matmuls(
 
 
 def _mixes(
-    n: int, options: list[tuple[str, float, float]], room: float
+    n: int, options: list[tuple[str, float, float]], room: float, redone: dict[str, float]
 ) -> Iterator[tuple[float, float, float, tuple[int, ...]]]:
     """Every way to run up to `n` like layers in `options` (the rest plain) within `room`
-    seconds: (bytes shed, seconds, matmul seconds, count per option)."""
+    seconds: (bytes shed, seconds, matmul recompute, count per option); `redone`: each option's
+    matmul recompute (`LayerCost.redone`)."""
     if not options:
         yield 0.0, 0.0, 0.0, ()
         return
     (mode, shed, cost), rest = options[0], options[1:]
-    redone = cost if mode in RECOMPUTES_MATMULS else 0.0
     for count in range(n + 1):
         if count * cost > room + 1e-12:
             break
-        for more, spent, matmul, counts in _mixes(n - count, rest, room - count * cost):
+        for more, spent, matmul, counts in _mixes(n - count, rest, room - count * cost, redone):
             yield (
                 count * shed + more,
                 count * cost + spent,
-                count * redone + matmul,
+                count * redone[mode] + matmul,
                 (count, *counts),
             )
 

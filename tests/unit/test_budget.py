@@ -4,6 +4,7 @@ small cases."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from unittest import mock
@@ -203,13 +204,13 @@ def _exhaustive_choices(layers, outside, limit, bound=None):
     """Over every way to run the layers (plain, keeping matmuls, keeping the attention output, the
     feed-forward block alone, whole, offloaded: each layer's offered options) holding at most
     `limit`: the least recompute, or (with
-    `bound`) the least matmul recompute (whole and attention-keeping layers' seconds) among those
-    costing at most `bound`. (cost, matmul, held) of the best."""
+    `bound`) the least matmul recompute (`LayerCost.redone`: counted FLOPs, else whole and
+    attention-keeping layers' seconds) among those costing at most `bound`. (cost, matmul, held) of the best."""
     best = None
     for picks in itertools.product(*(_all(layer) for layer in layers)):
         held = outside + sum(layer.plain - shed for layer, (_, shed, _) in zip(layers, picks))
         cost = sum(seconds for _, _, seconds in picks)
-        matmul = sum(s for mode, _, s in picks if mode in solver.RECOMPUTES_MATMULS)
+        matmul = sum(layer.redone(mode) for layer, (mode, _, _) in zip(layers, picks))
         if held > limit or (bound is not None and cost > bound):
             continue
         key = (cost, matmul, held) if bound is None else (matmul, cost, held)
@@ -219,7 +220,7 @@ def _exhaustive_choices(layers, outside, limit, bound=None):
 
 
 choice_st = st.builds(
-    lambda plain, ckpt, kept, attention, seconds, kept_share, attention_share, offload, split: (
+    lambda plain, ckpt, kept, attention, seconds, kept_share, attention_share, offload, split, flops: (
         LayerCost(
             "l",
             float(plain),
@@ -234,6 +235,7 @@ choice_st = st.builds(
             seconds / 10 * offload[1] if offload else 0.0,
             feed_forward=None if split is None else float(max(0, plain - split[0])),
             feed_forward_seconds=seconds / 10 * split[1] if split else 0.0,
+            matmuls=flops,
         )
     ),
     st.integers(1, 60),
@@ -247,6 +249,11 @@ choice_st = st.builds(
     st.one_of(st.none(), st.tuples(st.integers(0, 20), st.floats(1.0, 2.0))),
     # the feed-forward block alone: the bytes it sheds from plain, its cost over a whole layer's
     st.one_of(st.none(), st.tuples(st.integers(0, 60), st.floats(0.0, 1.2))),
+    # the levers' counted matmul FLOPs over whole's, or none counted (their seconds stand in)
+    st.one_of(
+        st.just(()),
+        st.tuples(*(st.tuples(st.just(mode), st.floats(0.0, 1.0)) for mode in solver.SELECTIVE)),
+    ),
 )
 
 
@@ -267,8 +274,9 @@ def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, ou
     with its feed-forward block alone checkpointed (fewer bytes shed, less recompute), or whole
     with its inputs offloaded (more bytes shed, the copies'
     time besides): a multiple-choice knapsack, solved exactly; among the plans within SLACK of
-    full checkpointing's recompute of the cheapest, the one recomputing the fewest matmuls (whole,
-    offloaded and attention-keeping layers' seconds). Below the floor, each layer's fewest bytes."""
+    full checkpointing's recompute of the cheapest, the one recomputing the fewest matmuls (their
+    counted FLOPs' share of whole's, or where not counted whole, offloaded and attention-keeping
+    layers' seconds). Below the floor, each layer's fewest bytes."""
     plain = outside + sum(l.plain for l in layers)
     limit = fraction * plain
     plan = solve(layers, float(outside), limit)
@@ -284,7 +292,7 @@ def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, ou
     selective = any(m in solver.SELECTIVE for l in layers for m, *_ in l.options())
     bound = cheapest[0] + (solver.SLACK * full_s if selective else 0)
     assert plan.recompute_s <= bound + 1e-9
-    matmul = sum(l.cost(m) for l, m in zip(layers, plan.modes) if m in solver.RECOMPUTES_MATMULS)
+    matmul = sum(l.redone(m) for l, m in zip(layers, plan.modes))
     fewest = _exhaustive_choices(layers, outside, limit, bound + 1e-9)
     assert matmul == pytest.approx(fewest[1], abs=1e-9)
     assert plan.every_n_layers() is None or set(plan.modes) <= {"plain", "full"}
@@ -341,6 +349,28 @@ def test_plans_within_the_clocks_slack_go_to_the_fewest_whole_layers():
         plan = solve([layer] * 8, 0.0, 4.0)
         assert (plan.modes.count("full"), plan.kept_matmuls) == (whole, kept), share
         assert plan.total <= 4.0
+
+
+def test_within_the_slack_the_counted_matmul_flops_break_the_tie_not_the_seconds():
+    """8 like layers (a Llama's: 39.5 MiB plain, 2 whole, 18 with the MLP alone checkpointed,
+    which recomputes 0.33 of a whole layer's matmul FLOPs), half their bytes to shed. Where a loaded
+    clock prices the MLP alone at 0.55 of a whole layer, 1 whole and 6 so is the cheapest by 0.1
+    layer and the fewest matmul seconds too: 0.37 of full checkpointing's FLOPs. Its FLOPs counted,
+    8 so, within the slack, recompute 0.33."""
+    layer = LayerCost("l", 39.5, 2.0, 1.0, "block", feed_forward=18.0, feed_forward_seconds=0.55)
+    counted = dataclasses.replace(layer, matmuls=(("feed-forward", 0.328),))
+    limit = 0.5 * (8.5 + 8 * 39.5)
+
+    def flops(plan):
+        return sum(counted.redone(mode) for mode in plan.modes) / 8
+
+    by_seconds = solve([layer] * 8, 8.5, limit)
+    assert sorted(by_seconds.modes) == ["feed-forward"] * 6 + ["full"] + ["plain"]
+    assert flops(by_seconds) == pytest.approx(0.371)
+    by_flops = solve([counted] * 8, 8.5, limit)
+    assert by_flops.modes == ["feed-forward"] * 8 and by_flops.total <= limit
+    assert flops(by_flops) == pytest.approx(0.328)
+    assert by_flops.recompute_s - by_seconds.recompute_s <= solver.SLACK * 8
 
 
 def test_offloading_is_taken_only_where_whole_layers_cannot_meet_the_budget():

@@ -8,6 +8,7 @@ recompute timed by itself and what else it adds to the step, where the clock can
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -404,6 +405,73 @@ def test_the_share_is_measured_on_one_layer_called_alone_and_touches_no_grad():
     assert all(p.grad is None for p in model.parameters())
     assert all(vars(m).get("gradient_checkpointing") is False for m in layers)
     assert "context_fn" not in layers[0]._gradient_checkpointing_func.keywords
+
+
+def test_each_lever_counts_what_it_recomputes_of_a_whole_layers_matmul_flops():
+    """The solver breaks ties its clock cannot tell by these counts (gcpatch/step/solver.py
+    `SLACK`), taken on one layer: they are what each lever recomputes on the whole model, over what
+    checkpointing every layer whole recomputes, counted here by torch's FLOP counter around the
+    model's backward (fused CPU attention: keeping the matmuls recomputes none, keeping the
+    attention output all but the kernel, the MLP alone its gate and up projections)."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    _, plain = _step(_llama(False, dropout=0.0), ids)
+    _, whole = _step(_llama(True, dropout=0.0), ids)
+
+    def recomputed(lever):
+        model = _llama(True, dropout=0.0)
+        if lever == FEED_FORWARD:
+            _split(model)
+        else:
+            for layer in model.model.layers:
+                func = layer._gradient_checkpointing_func
+                layer._gradient_checkpointing_func = selective.keeping(func, selective.Keep(lever))
+        return (_step(model, ids)[1] - plain) / (whole - plain)
+
+    model = _llama(True, dropout=0.0)
+    layers = list(model.model.layers)
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    counted: dict = {}
+    selective.shares(layers, lambda: model(input_ids=ids), matmuls=counted)
+    assert set(counted) == {KEEP_MATMULS, KEEP_ATTENTION, FEED_FORWARD}, counted
+    assert counted[KEEP_MATMULS] == 0.0
+    assert 0.0 < counted[FEED_FORWARD] < counted[KEEP_ATTENTION] < 1.0
+    for lever, share in counted.items():
+        assert share == pytest.approx(recomputed(lever), abs=1e-9), lever
+    # the counts travel with the cost model (a record, a copy of the model) into the solver
+    costs = CostModel.from_dict(dataclasses.replace(_costs(2), matmul_shares=counted).to_dict())
+    [layer, _], _ = costs.layers(1, 16)
+    assert layer.redone(KEEP_MATMULS) == 0.0 and layer.redone("full") == layer.seconds
+    assert layer.redone(FEED_FORWARD) == counted[FEED_FORWARD] * layer.seconds
+
+
+def test_a_count_that_fails_leaves_the_ties_to_the_seconds_in_one_line(monkeypatch, caplog):
+    """The count is the solver's tie-break, never the measuring's failure: a counter that raises
+    (a kernel without a formula in some torch) leaves no counts, said once, and the shares stand."""
+
+    class Raising:
+        def __enter__(self):
+            raise RuntimeError("no formula")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(selective.flops, "counter", Raising)
+    model = _llama(True, dropout=0.0)
+    layers = list(model.model.layers)
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    ids = torch.randint(0, 64, (2, 16))
+    counted: dict = {}
+    with caplog.at_level(logging.WARNING, logger="gcpatch"):
+        shares = selective.shares(layers, lambda: model(input_ids=ids), matmuls=counted)
+    assert counted == {}
+    lines = [r.getMessage() for r in caplog.records if "FLOPs failed" in r.getMessage()]
+    assert lines == [
+        "gcpatch: counting the levers' FLOPs failed (RuntimeError: no formula); the budget breaks"
+        " its ties by their seconds"
+    ]
+    assert set(shares) >= {KEEP_MATMULS, KEEP_ATTENTION}
 
 
 def test_a_layer_given_the_forwards_cache_is_measured_without_it():
