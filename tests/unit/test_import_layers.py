@@ -24,6 +24,7 @@ STEP = {
     "step.swap",
     "step.offload",
     "step.feed_forward",
+    "step.flops",
     "step.selective",
     "step.layer_costs",
     "step.training",
