@@ -200,7 +200,6 @@ def _measure(
             "note": note,
             "levers": {
                 "shares": measured.shares,
-                "matmul_flops": measured.model.matmul_shares,
                 "not_offered": measured.not_offered,
                 "refused": {
                     lever: {"layers": sorted(by_layer), "why": next(iter(by_layer.values()))}
@@ -341,7 +340,7 @@ def _details(outcome: dict) -> list[str]:
     ]
     levers = measured.get("levers")
     if levers:
-        out += _levers(levers)
+        out += _levers(levers, (outcome.get("cost_model") or {}).get("matmul_shares") or {})
     for i, layer in enumerate(measured["layers"]):
         offloaded = layer.get("offloaded_bytes")
         split = layer.get("feed_forward_bytes")
@@ -356,8 +355,9 @@ def _details(outcome: dict) -> list[str]:
     return out
 
 
-def _levers(levers: dict) -> list[str]:
-    """What each lever between plain and whole measured, or why it was not there to choose."""
+def _levers(levers: dict, counted: dict | None = None) -> list[str]:
+    """What each lever between plain and whole measured (`counted`: its matmul FLOPs, the cost
+    model's), or why it was not there to choose."""
     out = []
     for lever, share in levers["shares"].items():
         named = selective.NAMED[lever]
@@ -371,7 +371,7 @@ def _levers(levers: dict) -> list[str]:
             idle = "its policy kept nothing" if lever in selective.LEVERS else f"it {named.idle}"
             out.append(f"{name}: not chosen, its cost could not be told on this clock (or {idle})")
         else:
-            flops = (levers.get("matmul_flops") or {}).get(lever)
+            flops = (counted or {}).get(lever)
             out.append(
                 f"{name}: costs {share:.2f} of a whole layer's recompute (measured on one layer)"
                 + ("" if flops is None else f", {flops:.2f} of its matmul FLOPs (counted)")

@@ -328,11 +328,11 @@ class _Trial:
         """What each lever still to time recomputes of whole's matmul FLOPs: each mode's step
         counted once (gcpatch/step/flops.py), less plain's, over whole's less plain's. Empty where
         this torch has no counter, or the count failed (said in one line)."""
+        if flops.counter() is None:
+            return {}
         counts: dict[str, float] = {}
         for mode in self.modes:
-            counting = flops.counter()
-            if counting is None:
-                return {}
+            counting = flops.counter()  # a fresh one per mode: a counter keeps what it counted
             try:
                 with counting:
                     self.step(mode)

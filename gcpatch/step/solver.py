@@ -279,9 +279,9 @@ def _fewest_matmuls(
     RECOMPUTES_MATMULS) is least (ties: fewer seconds). Interchangeable layers are one group
     (`_groups`), chosen by how many of them run in each mode (`_mixes`, of which only those no
     other mix of the group beats on bytes shed, seconds and matmul recompute at once can be part
-    of the best); the states kept between groups are
-    those no other shedding as much beats on both seconds and matmul recompute (`_undominated`),
-    and that can still shed `need` with the groups left. None when they outgrow MAX_FRONT."""
+    of the best); the states kept between groups are those no other shedding as much beats on
+    both seconds and matmul recompute (`_undominated`), and that can still shed `need` with the
+    groups left. None when they outgrow MAX_FRONT."""
     groups = list(_groups(layers).values())
     picks, mixes = [], []
     for members in groups:

@@ -203,9 +203,9 @@ def _all(layer):
 def _exhaustive_choices(layers, outside, limit, bound=None):
     """Over every way to run the layers (plain, keeping matmuls, keeping the attention output, the
     feed-forward block alone, whole, offloaded: each layer's offered options) holding at most
-    `limit`: the least recompute, or (with
-    `bound`) the least matmul recompute (`LayerCost.redone`: counted FLOPs, else whole and
-    attention-keeping layers' seconds) among those costing at most `bound`. (cost, matmul, held) of the best."""
+    `limit`: the least recompute, or (with `bound`) the least matmul recompute
+    (`LayerCost.redone`: counted FLOPs, else whole and attention-keeping layers' seconds) among
+    those costing at most `bound`. (cost, matmul, held) of the best."""
     best = None
     for picks in itertools.product(*(_all(layer) for layer in layers)):
         held = outside + sum(layer.plain - shed for layer, (_, shed, _) in zip(layers, picks))

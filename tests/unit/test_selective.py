@@ -215,6 +215,15 @@ def test_a_reentrant_layer_or_a_users_own_context_fn_is_not_offered_the_lever():
         "keeping the attention output: not chosen, its cost could not be told on this clock (or"
         " its policy kept nothing)",
     ]
+    # with the cost model's counted matmul FLOPs (the solver's tie-break) beside the seconds
+    counted = planner._levers(
+        {"shares": {KEEP_MATMULS: 0.19, KEEP_ATTENTION: None}, "not_offered": None},
+        {KEEP_MATMULS: 0.0},
+    )
+    assert counted[0] == (
+        "keeping the matmuls: costs 0.19 of a whole layer's recompute (measured on one layer),"
+        " 0.00 of its matmul FLOPs (counted)"
+    )
 
 
 def _costs(layers: int) -> CostModel:
