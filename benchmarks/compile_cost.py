@@ -1,6 +1,6 @@
 """What gcpatch costs a compiled training step: graph breaks, recompiles, first and later step time.
 
-    python benchmarks/compile_cost.py --python /path/tf524/bin/python --python /path/tf457/bin/python
+    python benchmarks/compile_cost.py --python /path/tf525/bin/python --python /path/tf457/bin/python
     python benchmarks/compile_cost.py --table-only      # regenerate COMPILE.md from COMPILE.json
 
 The set-up a new user tries: a tiny Llama with its embedding frozen, `gradient_checkpointing_enable()`

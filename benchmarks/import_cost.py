@@ -1,7 +1,7 @@
 """What GCPATCH=1 costs a process that imports a framework and may never checkpoint, and what the
 first enable costs once the plugins load there.
 
-    python benchmarks/import_cost.py --python /path/tf524/bin/python --python /path/tf457/bin/python
+    python benchmarks/import_cost.py --python /path/tf525/bin/python --python /path/tf457/bin/python
     python benchmarks/import_cost.py --table-only     # regenerate IMPORT_COST.md from IMPORT_COST.json
 
 Paired runs: each round runs the same code in a fresh interpreter with GCPATCH=0 and GCPATCH=1,

@@ -1,6 +1,6 @@
 """What gcpatch costs a training step, with steps short enough that a per-call cost would show.
 
-    python benchmarks/step_cost.py --python /path/tf524/bin/python --python /path/tf457/bin/python
+    python benchmarks/step_cost.py --python /path/tf525/bin/python --python /path/tf457/bin/python
     python benchmarks/step_cost.py --table-only      # regenerate STEP_COST.md from STEP_COST.json
 
 A tiny Llama (4 layers, hidden 64, batch 2 x 64 tokens, fp32, one CPU thread), all trainable, with

@@ -8,6 +8,7 @@ plugin's failure from the others (a plugin error fails open).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import types
 from dataclasses import replace
@@ -16,7 +17,15 @@ from typing import Any, Mapping
 
 import pluggy
 
-from gcpatch import console, deadline, hookspecs, plugin_scan, release_range, settings
+from gcpatch import (
+    console,
+    deadline,
+    hookspecs,
+    import_hooks,
+    plugin_scan,
+    release_range,
+    settings,
+)
 from gcpatch.errors import GcpatchError
 from gcpatch.facts import installed_version
 from gcpatch.schema import (
@@ -94,12 +103,33 @@ class PluginHost:
                 )
                 continue
             try:
-                plugin = plugin_code(ep.load)
+                plugin = _loaded(ep)
+            except PluginNotImported as exc:  # fail open: this plugin only, one line
+                host._not_imported(ep.name, exc)
+                continue
             except Exception as exc:  # noqa: BLE001 (fail open: this plugin only, one line)
                 host._failed(ep.name, f"could not be loaded from {ep.value}", exc)
                 continue
             host.add(plugin, ep.name, listed)
         return host
+
+    def _not_imported(self, name: str, exc: PluginNotImported) -> None:
+        """A plugin whose import was not waited for to its end: failed for this host, which never
+        registers it (a later activation's host tries again); strict mode raises instead."""
+        self.statuses.append(PluginStatus(name, "failed", exc.why))
+        if self._strict:
+            raise GcpatchError(
+                f"plugin {name!r} {exc.why}",
+                rule=f"plugin:{name}",
+                fix=f"fix the plugin's import or block it with GCPATCH_DISABLE_PLUGINS={name}",
+            ) from exc
+        log.error(
+            "gcpatch: plugin %s %s; the job goes on without it (GCPATCH_PLUGIN_TIMEOUT_S sets the"
+            " wait, GCPATCH_DISABLE_PLUGINS=%s blocks it)",
+            name,
+            exc.why,
+            name,
+        )
 
     def add(
         self,
@@ -347,6 +377,60 @@ class PluginHung(Exception):
     """A plugin's hook did not return within GCPATCH_PLUGIN_TIMEOUT_S."""
 
 
+class PluginNotImported(Exception):
+    """A third-party plugin whose import was not waited for to its end; `why` says how."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+# Python's import locks (Lib/importlib/_bootstrap.py): an import holds its module's lock while the
+# module runs, and a second import of a module still initializing waits on that lock. So: (1) a
+# third-party plugin is imported in a thread the caller waits for no longer than the deadline:
+# were the caller holding a lock that import needs (the engine started inside another module's
+# import), the wait still ends at the deadline; (2) gcpatch never imports a plugin module whose
+# import has not ended: this host drops the plugin, a later host (a re-activation) finds the module
+# still initializing in sys.modules and skips it at once, or, once that import ended, gets it from
+# sys.modules. Only the user's own import of that module waits on its lock, as it would wait for
+# the hanging module without gcpatch.
+def _loaded(ep: metadata.EntryPoint) -> object:
+    """The object `ep` names. A built-in plugin (gcpatch_plugins.*) is imported in the caller's
+    thread, no thread started; a third-party one under its hooks' deadline
+    (GCPATCH_PLUGIN_TIMEOUT_S, gcpatch/deadline.py). Past it PluginNotImported; what the import
+    gives later is dropped in its thread, so none of that plugin is registered."""
+    if ep.value.startswith("gcpatch_plugins."):
+        return plugin_code(ep.load)
+    if _still_importing(ep.module):
+        raise PluginNotImported(
+            "is still being imported (an import started earlier in this process has not ended)"
+        )
+    limit = settings.read().plugin_timeout_s
+    outcome = deadline.run(
+        ep.load,
+        {},
+        limit,
+        what=f"the import of plugin {ep.name}",
+        thread_name="gcpatch-plugin-import",
+    )
+    if outcome.timed_out:
+        raise PluginNotImported(f"did not import within {limit:g} s")
+    if outcome.error is not None:
+        raise _as_exception(outcome.error)
+    return outcome.value
+
+
+def _still_importing(module: str) -> bool:
+    """Whether `module`, or a package above it, is in sys.modules and still initializing: an
+    import of it has not ended (the test `_find_and_load` makes before waiting on its lock)."""
+    parts = module.split(".")
+    for end in range(1, len(parts) + 1):
+        found = sys.modules.get(".".join(parts[:end]))
+        if getattr(getattr(found, "__spec__", None), "_initializing", False):
+            return True
+    return False
+
+
 def plugin_code(function: Any, *args: Any, **kwargs: Any) -> Any:
     """Call plugin code; a BaseException other than KeyboardInterrupt comes back as an Exception
     (a plugin must never end the host's job, however it fails)."""
@@ -499,10 +583,13 @@ def _say_once(level: int, text: str) -> None:
 
 
 def _say_untested(framework: str, version: str, proven: str) -> None:
-    """The plugin runs, but no matrix cell proves this release."""
-    _say_once(
-        logging.WARNING,
-        f"gcpatch: untested {framework} {version} (gcpatch's tests prove {proven}); gcpatch"
-        f" keeps working where it can and falls back to {framework}'s own behaviour where it"
-        " cannot",
+    """The plugin runs, but no matrix cell proves this release: one line per job, said only once
+    the framework is imported (a script that never imports it hears nothing of it), with the way
+    to check the user's own job."""
+    text = (
+        f"gcpatch: untested {framework} {version} (proven {proven}); check your job with"
+        " GCPATCH_VERIFY=1"
+    )
+    import_hooks.when_imported(
+        framework.replace("-", "_"), lambda _module: _say_once(logging.WARNING, text)
     )

@@ -584,6 +584,38 @@ def _time(cell: dict) -> str:
     )
 
 
+def newest_listed(index_output: str) -> str | None:
+    """The release `pip index versions transformers` names first ("transformers (5.25.0)")."""
+    first = index_output.strip().splitlines()[0] if index_output.strip() else ""
+    if "(" not in first or not first.endswith(")"):
+        return None
+    return first.rsplit("(", 1)[1][:-1]
+
+
+def newest_check() -> int:
+    """Whether matrix/releases.csv has transformers' newest release; if not, what to run."""
+    proc = subprocess.run(
+        [PYTHON, "-m", "pip", "index", "versions", "transformers"],
+        capture_output=True,
+        text=True,
+    )
+    newest = newest_listed(proc.stdout)
+    if newest is None:
+        print(f"the package index did not answer: {proc.stderr.strip()[-300:]}")
+        return 2
+    listed = releases()[-1]["transformers"]
+    if newest == listed:
+        print(f"transformers {newest}, the newest release, is the table's newest row")
+        return 0
+    print(
+        f"transformers {newest} is out; the table ends at {listed}. Add its row to"
+        " matrix/releases.csv (the peft, trl and accelerate releases of its day), pin tox's newest"
+        f" env to it, run `python3.11 matrix/run.py --cells {newest} --tests full` and raise the"
+        " transformers plugin's proven range"
+    )
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -604,7 +636,15 @@ def main(argv: list[str] | None = None) -> int:
         "(with --cells all: these four unless given)",
     )
     parser.add_argument("--render", action="store_true", help="only re-render RESULTS.md")
+    parser.add_argument(
+        "--newest",
+        action="store_true",
+        help="only ask the package index for transformers' newest release: exit 1 if the table"
+        " lacks it (run weekly: the matrix follows a release within a week)",
+    )
     args = parser.parse_args(argv)
+    if args.newest:
+        return newest_check()
     results = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
     pythons = [
         p

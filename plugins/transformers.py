@@ -150,7 +150,7 @@ INFO = PluginInfo(
     framework="transformers",
     versions=">=4.35",
     rules=RULES,
-    proven=">=4.35.2,<=5.24.0",
+    proven=">=4.35.2,<=5.25.0",
 )
 
 

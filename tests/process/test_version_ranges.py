@@ -2,8 +2,9 @@
 this file runs on every Python gcpatch claims).
 
 A plugin declares the range it can work in (`versions`: outside it, skipped) and the range its
-tests prove (`proven`: outside it the plugin still runs, fail-open, and gcpatch says once
-"untested <framework> <version>"); `gcpatch doctor` shows both against the installed version.
+tests prove (`proven`: outside it the plugin still runs, fail-open, and gcpatch says once per job,
+once the framework is imported, "untested <framework> <version>"); `gcpatch doctor` shows both
+against the installed version.
 """
 
 from __future__ import annotations
@@ -99,6 +100,31 @@ def test_plugin_range_proven_untested_and_unsupported(tmp_path, version, state, 
     assert said == (1 if untested else 0), proc.stderr
     if state == "skipped":
         assert "stubfw 3.1 is outside the supported range >=1,<3" in proc.stderr
+
+
+NEVER_IMPORTED = """
+import json
+import gcpatch.engine as engine
+host = engine.start()
+status = next(s for s in host.statuses if s.name == "stub")
+print("RESULT " + json.dumps({"untested": status.untested}), flush=True)
+"""
+
+
+def test_an_untested_release_is_said_only_once_its_framework_is_imported(tmp_path):
+    """The plugins load at the first checkpointing call, whatever the script imports: a script
+    that never imports the framework hears nothing of its release; one that does hears one short
+    line naming the way to check the job (GCPATCH_VERIFY=1)."""
+    site = stub_site(tmp_path, "2.0")
+    env = {"PYTHONPATH": str(site), "GCPATCH_DISABLE_PLUGINS": _builtins()}
+    silent = run_python(NEVER_IMPORTED, tmp_path, **env)
+    assert result_of(silent) == {"untested": True}
+    assert "untested" not in silent.stderr, silent.stderr
+    said = run_python(LOAD_TWICE, tmp_path, **env)
+    lines = [line for line in said.stderr.splitlines() if "untested stubfw 2.0" in line]
+    assert lines == [
+        "gcpatch: untested stubfw 2.0 (proven >=1.0,<=1.5); check your job with GCPATCH_VERIFY=1"
+    ], said.stderr
 
 
 @pytest.mark.parametrize("rank, said", [("0", 1), ("1", 0)])
