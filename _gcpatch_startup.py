@@ -19,6 +19,20 @@ TRIGGERS = frozenset(
     {"torch", "transformers", "peft", "trl", "axolotl", "colossalai", "accelerate", "deepspeed"}
 )
 _OFF = ("", "0", "false", "no", "off")
+# Variables of gcpatch's own test and CI tools (.ci/run, tests/kit, matrix/run.py): the library
+# reads none of them, and says nothing of them.
+TOOLING = (
+    "GCPATCH_CI_",
+    "GCPATCH_TEST_",
+    "GCPATCH_IT_",
+    "GCPATCH_PY",
+    "GCPATCH_MATRIX_",
+    "GCPATCH_TORCH_BASE",
+    "GCPATCH_HYPOTHESIS",
+    "GCPATCH_RELIABILITY_",
+    "GCPATCH_FULL_GRID",
+    "GCPATCH_GRID_",
+)
 
 
 class FrameworkWatcher:
@@ -58,10 +72,47 @@ def unwatch():
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, FrameworkWatcher)]
 
 
+def set_variables():
+    """The GCPATCH_* variables (GCPATCH itself and the tools' own aside) set in this process."""
+    return sorted(
+        name for name in os.environ if name.startswith("GCPATCH_") and not name.startswith(TOOLING)
+    )
+
+
+class UnusedWatcher:
+    """Waits, like FrameworkWatcher, for the first framework import of a process where gcpatch is
+    off, to say once that its GCPATCH_* variables do nothing (unless gcpatch was imported since)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if path is not None or fullname not in TRIGGERS:
+            return None
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, UnusedWatcher)]
+        switch = os.environ.get("GCPATCH")
+        names = set_variables()
+        if names and (switch or "").strip().lower() in _OFF and _local_rank_zero():
+            why = "GCPATCH unset" if switch is None else f"GCPATCH={switch}"
+            verbs = "are set but do" if len(names) > 1 else "is set but does"
+            sys.stderr.write(
+                f"gcpatch: {', '.join(names)} {verbs} nothing: gcpatch is off ({why}); set"
+                " GCPATCH=1 or `import gcpatch`\n"
+            )
+        return None
+
+    def __repr__(self):
+        return "<gcpatch unused-variables watcher>"
+
+
+def _local_rank_zero():
+    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+
+
 def bootstrap():
     """Activate gcpatch when GCPATCH asks for it. Idempotent (the .pth line can run twice in a
-    venv whose lib64 links to lib) and never raises into the host."""
+    venv whose lib64 links to lib) and never raises into the host. Off, with GCPATCH_* variables
+    set: one line at the first framework import says they do nothing."""
     if os.environ.get("GCPATCH", "").strip().lower() in _OFF:
+        if set_variables() and not any(isinstance(f, UnusedWatcher) for f in sys.meta_path):
+            sys.meta_path.insert(0, UnusedWatcher())
         return
     try:
         watch(_import_gcpatch)

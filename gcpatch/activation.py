@@ -34,6 +34,7 @@ def activate() -> bool:
         if _active:
             return True
         _active = True
+        settings.say_unknown()
         # Children (subprocess, torchrun/accelerate/deepspeed ranks) start through the .pth line.
         os.environ.setdefault("GCPATCH", "1")
         _gcpatch_startup.watch(framework_imported)

@@ -25,7 +25,7 @@ def _main(argv: Sequence[str] | None) -> int:
         prog="gcpatch", description="Correct gradient checkpointing, explained."
     )
     parser.add_argument("--version", action="version", version=f"gcpatch {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command")
     doctor = sub.add_parser(
         "doctor",
         help="whether a job from this environment runs gcpatch and why; the start-up hook;"
@@ -56,6 +56,9 @@ def _main(argv: Sequence[str] | None) -> int:
         help="every built-in plugin's rules as the markdown of docs/RULES.md, installed or not",
     )
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     if args.command == "doctor":
         from gcpatch import doctor
 
@@ -71,17 +74,13 @@ def _rules() -> int:
     from gcpatch import engine
 
     host = engine.start()
-    print(
-        f"{'id':<8} {'plugin':<14} {'versions':<10} rule (source); [documents]: never decides a"
-        " knob"
-    )
+    print(f"{'id':<6} {'plugin':<13} {'versions':<10} rule; source; [documents]: never decides")
     table = host.rules()
     for plugin, rule in table:
         kind = "[documents] " if rule.documents else ""
-        print(
-            f"{rule.id:<8} {plugin:<14} {rule.versions:<10} {kind}{rule.summary}\n{'':<34}source:"
-            f" {rule.source}"
-        )
+        head = f"{rule.id:<6} {plugin:<13} {rule.versions:<10} "
+        print(_cell(head, kind + rule.summary))
+        print(_cell(" " * len(head), f"source: {rule.source}"))
     if not table:
         why = "; ".join(
             f"{s.name}: {s.state}{' (' + s.why + ')' if s.why else ''}" for s in host.statuses
@@ -92,6 +91,23 @@ def _rules() -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _cell(head: str, text: str) -> str:
+    """`text` wrapped to the terminal's width (at most 100 columns) beside `head`, its later lines
+    under its first: a rule's summary reads as a paragraph, not as one line of 900 characters."""
+    import shutil
+    import textwrap
+
+    width = min(100, shutil.get_terminal_size((100, 24)).columns)
+    return textwrap.fill(
+        text,
+        width=max(width, len(head) + 30),
+        initial_indent=head,
+        subsequent_indent=" " * len(head),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def _rules_markdown() -> int:

@@ -44,10 +44,18 @@ def main(import_frameworks: bool) -> int:
                     " (they take effect with GCPATCH=1 or `import gcpatch`)"
                 )
             )
+    budget = os.environ.get("GCPATCH_MEMORY_BUDGET") if cfg.memory_budget is not None else None
     print(
-        f"mode: {cfg.mode}   record: {cfg.record_dir or '(off)'}   blocked:"
-        f" {', '.join(sorted(cfg.blocked_plugins)) or '(none)'}"
+        headline.wrap(
+            f"mode: {cfg.mode}   record: {cfg.record_dir or '(off)'}   verify:"
+            f" {'on' if cfg.verify else 'off'}   memory budget: {budget or '(none)'}   blocked:"
+            f" {', '.join(sorted(cfg.blocked_plugins)) or '(none)'}"
+        )
     )
+    print(headline.wrap(f"variables gcpatch reads: {', '.join(settings.VARIABLES)}"))
+    unknown = settings.unknown_names()
+    if unknown:
+        print(headline.wrap(f"set, but not gcpatch variables (ignored): {', '.join(unknown)}"))
     versions = ", ".join(f"{k} {facts.installed_version(k) or '-'}" for k in facts.VERSIONED)
     print(headline.wrap(f"installed: {versions}"))
     _plugins(import_frameworks, on)
@@ -85,7 +93,10 @@ def job_verdict(
     if switch is False:
         if switch_raw.strip().lower() in ("0", "false", "no", "off"):
             return False, f"GCPATCH={switch_raw} switches it off"
-        return False, f"GCPATCH={switch_raw!r} is neither 1 nor 0, so gcpatch stays off"
+        return False, (
+            f"GCPATCH={switch_raw!r} is not an on/off value ({settings.FLAG_RULE}), so gcpatch"
+            " stays off"
+        )
     if mode == "off":
         return False, "GCPATCH_MODE=off patches nothing"
     if not hooks:
@@ -134,12 +145,20 @@ def _plugins(import_frameworks: bool, on: bool) -> None:
             )
             where += f" proven {info.proven}" + (f": {verdict}" if verdict else "")
         print(f"  {status.name}: {status.state}{where}{' - ' + status.why if status.why else ''}")
+        if status.state == "failed" and status.why.startswith("did not import within"):
+            # gcpatch/manager.py `_loaded`: every checkpointing process waits for it that long
+            print(
+                "    every checkpointing job waits that long for it (GCPATCH_PLUGIN_TIMEOUT_S);"
+                f" GCPATCH_DISABLE_PLUGINS={status.name} blocks it"
+            )
         for point in status.patch_points:
             key = (point.module, point.target)
             if patcher is not None and key in patcher.installed:
                 state = "live"
             elif patcher is not None and key in patcher.not_applicable:
-                state = "not in this version"
+                # the point's own `applies` said no: the plugin's other points serve this release
+                release = f" {info.framework} {status.framework_version}" if info else ""
+                state = f"not needed on{release or ' this release'}"
             else:
                 state = "waiting for import" if point.module not in sys.modules else "not installed"
             print(f"    {point.module}.{point.target}: {state}  ({point.why})")

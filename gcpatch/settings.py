@@ -13,11 +13,14 @@ import os
 import sys
 from typing import Any, Callable
 
+import _gcpatch_startup
 from gcpatch import lifetime
 
 MODES = ("fix", "warn", "strict", "off")
+# The one rule of every on/off variable (GCPATCH, GCPATCH_VERIFY, GCPATCH_LOCAL_PLUGINS), any case:
 _FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
+FLAG_RULE = "1, true, yes or on switch it on; 0, false, no or off switch it off"
 _LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 # Every variable gcpatch reads (docs and `gcpatch doctor` list them from here).
 VARIABLES = (
@@ -50,21 +53,44 @@ def switch(raw: str | None) -> bool | None:
     """A value of GCPATCH (`gcpatch doctor` reads the one its process started with)."""
     if raw is None:
         return None
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    if not value:
+    if not raw.strip():
         _bad("GCPATCH", raw, "set but empty", "gcpatch stays off, as with GCPATCH=0")
         return False
-    _bad(
-        "GCPATCH",
-        raw,
-        "neither 1 nor 0",
-        "gcpatch stays off, as with GCPATCH=0 (set GCPATCH=1 to switch it on)",
-    )
-    return False
+    return _flag("GCPATCH", raw, "gcpatch stays off, as with GCPATCH=0")
+
+
+def _flag(name: str, raw: str, instead: str) -> bool:
+    """An on/off variable by the one rule (FLAG_RULE); any other value is said and means off."""
+    value = raw.strip().lower()
+    if value not in _TRUE and value not in _FALSE:
+        _bad(name, raw, f"not an on/off value ({FLAG_RULE})", instead)
+    return value in _TRUE
+
+
+def unknown_names() -> list[str]:
+    """The GCPATCH_* variables set here that gcpatch does not read (its tools' own aside)."""
+    return [name for name in _gcpatch_startup.set_variables() if name not in VARIABLES]
+
+
+def say_unknown() -> None:
+    """One line for each GCPATCH_* variable gcpatch does not read, naming the closest it does
+    (a misspelt GCPATCH_VERFY would otherwise leave verify off in silence)."""
+    unknown = unknown_names()
+    if not unknown:
+        return
+    import difflib  # only where a name is unknown: this module is on the start-up path
+
+    for name in unknown:
+        ratios = sorted(  # by the words after GCPATCH_, which every name shares
+            (
+                (difflib.SequenceMatcher(None, name[8:], known[8:]).ratio(), known)
+                for known in VARIABLES[1:]
+            ),
+            reverse=True,
+        )
+        close = [known for ratio, known in ratios if ratio >= max(0.6, ratios[0][0] - 0.05)]
+        hint = f"did you mean {' or '.join(close)}?" if close else "see `gcpatch doctor`"
+        report_once(name, f"gcpatch: {name} is not a gcpatch variable and is ignored; {hint}")
 
 
 class Settings:
@@ -99,7 +125,7 @@ class Settings:
         self.verify = verify
         # GCPATCH_MEMORY_BUDGET, a gcpatch.budget.Budget (gcpatch/step/planner.py)
         self.memory_budget = memory_budget
-        # GCPATCH_PLUGIN_TIMEOUT_S: how long a decision waits for a third-party plugin's hook
+        # GCPATCH_PLUGIN_TIMEOUT_S: the wait for a third-party plugin's import or hook
         self.plugin_timeout_s = plugin_timeout_s
 
     @property
@@ -173,12 +199,7 @@ def _record_dir(raw: str) -> str | None:
 
 
 def _verify(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value not in _FALSE:
-        _bad("GCPATCH_VERIFY", raw, "neither 1 nor 0", "verify stays off, as with 0")
-    return False
+    return _flag("GCPATCH_VERIFY", raw, "verify stays off, as with 0")
 
 
 _NO_BUDGET = (
@@ -223,17 +244,9 @@ def local_plugins() -> bool:
     """GCPATCH_LOCAL_PLUGINS=1: also load plugins from a *.dist-info in the script's own folder."""
 
     def parse(raw: str) -> bool:
-        value = raw.strip().lower()
-        if value in _TRUE:
-            return True
-        if value not in _FALSE:
-            _bad(
-                "GCPATCH_LOCAL_PLUGINS",
-                raw,
-                "neither 1 nor 0",
-                "plugins next to the script are not loaded, as with 0",
-            )
-        return False
+        return _flag(
+            "GCPATCH_LOCAL_PLUGINS", raw, "plugins next to the script are not loaded, as with 0"
+        )
 
     return _guarded(
         "GCPATCH_LOCAL_PLUGINS", parse, False, "plugins next to the script are not loaded"
@@ -241,7 +254,8 @@ def local_plugins() -> bool:
 
 
 def plugin_timeout() -> float:
-    """GCPATCH_PLUGIN_TIMEOUT_S: how long a decision waits for a third-party plugin's hook."""
+    """GCPATCH_PLUGIN_TIMEOUT_S: how long gcpatch waits for a third-party plugin's import or
+    hook."""
 
     def parse(raw: str) -> float:
         try:  # ASCII only: float() would also read other scripts' digits

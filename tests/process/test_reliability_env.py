@@ -43,7 +43,22 @@ BAD = [
     ),
     ("RANK", "abc", "RANK='abc' is not an integer; gcpatch uses 0"),
     ("WORLD_SIZE", "two", "WORLD_SIZE='two' is not an integer; gcpatch uses 1"),
-    ("GCPATCH_LOCAL_PLUGINS", "maybe", "GCPATCH_LOCAL_PLUGINS='maybe' is neither 1 nor 0"),
+    (
+        "GCPATCH_LOCAL_PLUGINS",
+        "maybe",
+        "GCPATCH_LOCAL_PLUGINS='maybe' is not an on/off value (1, true, yes or on switch it on;"
+        " 0, false, no or off switch it off)",
+    ),
+    (
+        "GCPATCH_VERFY",
+        "1",
+        "GCPATCH_VERFY is not a gcpatch variable and is ignored; did you mean GCPATCH_VERIFY?",
+    ),
+    (
+        "GCPATCH_BUDGET",
+        "0.5",
+        "GCPATCH_BUDGET is not a gcpatch variable and is ignored; did you mean",
+    ),
     (
         "GCPATCH_MEMORY_BUDGET",
         "lots",
@@ -89,6 +104,43 @@ def test_a_bad_gcpatch_switch_says_it_stays_off(tmp_path, value):
     tally("bad values", f"GCPATCH={value}", proc.returncode == 0, clear, False)
     assert proc.returncode == 0 and results(proc) == [{"active": False}]
     assert clear, proc.stderr
+
+
+IMPORTS_TORCH = "import torch\nprint('RESULT {}')"
+
+
+@pytest.mark.parametrize(
+    "switch, said",
+    [
+        (None, "GCPATCH unset"),
+        ("0", "GCPATCH=0"),
+    ],
+)
+def test_variables_set_while_gcpatch_is_off_get_one_line_at_the_first_framework_import(
+    tmp_path, switch, said
+):
+    """The start-up file already reads GCPATCH: with gcpatch off, the other GCPATCH_* variables
+    protect nothing, which one line says once a framework is imported (nothing before, so a
+    `pip` or a plain script pays no more than the environment's look-up)."""
+    env = {"GCPATCH_MEMORY_BUDGET": "0.5", "GCPATCH_VERIFY": "1"}
+    if switch is not None:
+        env["GCPATCH"] = switch
+    proc = run(IMPORTS_TORCH, tmp_path, **env)
+    lines = [line for line in messages(proc.stderr) if line.startswith("gcpatch:")]
+    assert results(proc) == [{}], proc.stderr
+    assert lines == [
+        "gcpatch: GCPATCH_MEMORY_BUDGET, GCPATCH_VERIFY are set but do nothing: gcpatch is off"
+        f" ({said}); set GCPATCH=1 or `import gcpatch`"
+    ], proc.stderr
+    quiet = run("print('RESULT {}')", tmp_path, **env)  # no framework: nothing said
+    assert results(quiet) == [{}] and "gcpatch" not in quiet.stderr, quiet.stderr
+
+
+def test_no_line_once_the_script_switches_gcpatch_on_or_only_the_tools_variables_are_set(tmp_path):
+    on = run("import gcpatch, torch\nprint('RESULT {}')", tmp_path, GCPATCH_VERIFY="1")
+    assert results(on) == [{}] and "is off" not in on.stderr, on.stderr
+    tools = run(IMPORTS_TORCH, tmp_path, GCPATCH_CI_STATUS="/tmp/x", GCPATCH_TEST_TIMEOUT_S="9")
+    assert results(tools) == [{}] and "gcpatch" not in tools.stderr, tools.stderr
 
 
 LIST_PLUGINS = """
