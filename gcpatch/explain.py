@@ -1,9 +1,10 @@
-"""`gcpatch explain`: a record directory read back, one short line a decision, per rank and run.
+"""`gcpatch explain`: a record directory read back, one whole line a decision, per rank and run.
 
 A record is read as hostile input: it may hold a line a killed rank left half-written, a line that
 is JSON but not a record, numbers no clock can show, paths that are not valid UTF-8 or nesting deep
-enough to exhaust the parser. None of it stops the reading: what cannot be read is counted and
-named, what is missing is said per line, and what is printed is printable on this console.
+enough to exhaust the parser, any JSON in any field. None of it stops the reading: what cannot be
+read or shown is counted and named (file:line and why), what is missing is said per line, and what
+is printed is printable on this console.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class Scan:
         self.entries: list[dict[str, Any]] = []
         self.damaged: list[str] = []  # "file:line: why"
         self.torn = 0  # damaged lines that began as a record does (`{`): a record cut short
+        # id(entry) -> "file:line": where a record that cannot be shown is named
+        self.where: dict[int, str] = {}
+
+    def skip(self, entry: dict[str, Any], why: str) -> None:
+        """Count and name a record that was read but cannot be shown."""
+        self.damaged.append(f"{self.where.get(id(entry), '?')}: {why}")
 
 
 def scan(path: str) -> Scan:
@@ -87,6 +94,7 @@ def scan(path: str) -> Scan:
                 found.damaged.append(f"{name}:{number}: a JSON {kind}, not a record")
                 continue
             found.entries.append(entry)
+            found.where[id(entry)] = f"{name}:{number}"
     found.entries = _by_run(found.entries)
     return found
 
@@ -101,17 +109,24 @@ def _by_run(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     directory interleave their lines, and each run is shown whole."""
     started: dict[tuple[str, str], float] = {}
     for entry in entries:
-        key = (str(entry.get("rank", "?")), str(entry.get("pid", "?")))
+        key = (_key(entry.get("rank")), _key(entry.get("pid")))
         started[key] = min(started.get(key, math.inf), _number(entry.get("time")))
     return sorted(
         entries,
         key=lambda e: (
             _number(e.get("rank")),
-            started[(str(e.get("rank", "?")), str(e.get("pid", "?")))],
-            str(e.get("pid", "?")),
+            started[(_key(e.get("rank")), _key(e.get("pid")))],
+            _key(e.get("pid")),
             _number(e.get("time")),
         ),
     )
+
+
+def _key(value: Any) -> str:
+    """A rank or a pid as text: what a record holds there, or `?` for what is no single value."""
+    if value is None or isinstance(value, (dict, list)):
+        return "?"
+    return str(value)
 
 
 def _number(value: Any) -> float:
@@ -141,32 +156,48 @@ def main(path: str | None, verbose: bool) -> int:
             " the GCPATCH_RECORD directory or one of its gcpatch-rank<N>.jsonl files"
         )
         return 2
-    for text in _lines(readable, verbose):
+    for entry in found.entries:
+        if not isinstance(entry.get("stage"), str):
+            found.skip(entry, "a JSON object without a stage, not a decision record")
+    for text in _lines(readable, verbose, found):
         _out(text)
-    if found.damaged:
-        what = "every line" if not readable else f"{len(found.damaged)} damaged line(s)"
-        _err(f"gcpatch explain: skipped {what} (a rank killed mid-write leaves a truncated line):")
-        for where in found.damaged[:_DAMAGED_SHOWN]:
-            _err(f"    {where}")
-        if len(found.damaged) > _DAMAGED_SHOWN:
-            _err(f"    (+{len(found.damaged) - _DAMAGED_SHOWN} more)")
+    _report_skipped(found, bool(readable))
     return 0
 
 
-def _lines(entries: list[dict[str, Any]], verbose: bool) -> list[str]:
-    several_runs = len({str(e.get("pid", "?")) for e in entries}) > len(
-        {str(e.get("rank", "?")) for e in entries}
+def _report_skipped(found: Scan, any_shown: bool) -> None:
+    """The count of the lines not shown, each named with its file, line and why."""
+    if not found.damaged:
+        return
+    what = "every line" if not any_shown else f"{len(found.damaged)} damaged line(s)"
+    cause = " (a rank killed mid-write leaves a truncated line)" if found.torn else ""
+    _err(f"gcpatch explain: skipped {what}{cause}:")
+    for where in found.damaged[:_DAMAGED_SHOWN]:
+        _err(f"    {where}")
+    if len(found.damaged) > _DAMAGED_SHOWN:
+        _err(f"    (+{len(found.damaged) - _DAMAGED_SHOWN} more)")
+
+
+def _lines(entries: list[dict[str, Any]], verbose: bool, found: Scan) -> list[str]:
+    """Each record's lines, by rank and run; a record that cannot be shown is `found.skip`ped."""
+    several_runs = len({_key(e.get("pid")) for e in entries}) > len(
+        {_key(e.get("rank")) for e in entries}
     )
     by_rank: dict[str, list[str]] = {}
     last_run: dict[str, str] = {}
     for entry in entries:
-        rank = str(entry.get("rank", "?"))
+        try:
+            shown = entry_lines(entry, verbose)
+        except Exception as exc:  # noqa: BLE001 (one record's shape never stops the reading: named)
+            found.skip(entry, f"cannot be shown ({type(exc).__name__}: {exc})")
+            continue
+        rank = _key(entry.get("rank"))
         lines = by_rank.setdefault(rank, [])
-        run = str(entry.get("pid", "?"))
+        run = _key(entry.get("pid"))
         if several_runs and last_run.get(rank) != run:
             lines.append(f"-- run: pid {run}, started {_when(entry.get('time'))}")
         last_run[rank] = run
-        lines.extend(entry_lines(entry, verbose))
+        lines.extend(shown)
     out: list[str] = []
     first = next(iter(by_rank), None)
     for rank, lines in by_rank.items():
@@ -207,7 +238,7 @@ def _missing_fields(entry: dict) -> list[str]:
 
 
 def entry_lines(entry: dict, verbose: bool) -> list[str]:
-    """One short line per record (gcpatch/headline.py); with `verbose`, the detail line, every
+    """One whole line per record (gcpatch/headline.py); with `verbose`, the detail line, every
     vote that won or lost, the warnings and the facts."""
     from gcpatch import headline
 
@@ -228,7 +259,7 @@ def entry_lines(entry: dict, verbose: bool) -> list[str]:
             f"gcpatch: rank {entry.get('rank', '?')} {entry.get('stage', '?')}: incomplete record, "
             f"missing {', '.join(missing)}"
         ]
-    out = [headline.line(entry)]
+    out = [headline.line(entry, limit=None)]  # whole: explain has no terminal row to fit
     if not verbose or "failed_open" in entry:
         return out
     out.append("    " + headline.detail(entry))

@@ -76,6 +76,7 @@ def decision(
         summary(entry),
         headline.detail(entry),
         f"{facts.model_class}.{facts.api}/{facts.stage}/{facts.source}",
+        level=headline.level(entry),
         quiet=quiet,
         gist=summary({**entry, "source": "call"}),
     )
@@ -108,7 +109,7 @@ def call_site(
         "facts": facts.to_dict(),
     }
     entry = _keep(entry, record_dir)
-    console.say(summary(entry), headline.detail(entry), f"call/{site}")
+    console.say(summary(entry), headline.detail(entry), f"call/{site}", level=headline.level(entry))
     for text in outcome.warnings + outcome.conflicts:
         log.debug("gcpatch: warning: %s (at %s)", text, site)
     for text in headline.warnings(entry):

@@ -26,7 +26,8 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 DECISION_LINE = re.compile(
     r"gcpatch: (checkpoint call at \S+|[\w.-]+( \([\w.-]+\))?): "
     r"(use_reentrant|\d+ eval-mode|eval-mode|input-grads|runs inline|bound tensors|left as asked"
-    r"|an input that requires grad|result passed through)"
+    r"|an input that requires grad|result passed through|[A-Z]+\d+ overrules your"
+    r"|warn mode (keeps|leaves))"
 )
 LINE_LIMIT = 120  # gcpatch/headline.py LIMIT: one terminal row
 CUT_WORD = re.compile(r"[A-Za-z]\.\.\.(?=[\s)]|$)")  # "needs t...": a word cut where it stood
@@ -132,9 +133,10 @@ class Run:
     results: list = field(default_factory=list)
 
     def gcpatch_lines(self) -> list[str]:
-        """gcpatch's one-line decisions on stderr (gcpatch/headline.py: `gcpatch: <model>[ (<source>)]:
-        <what changed> (<rule>: <why>)`, or `gcpatch: checkpoint call at <file:line>: ...`)."""
-        return [line for line in self.stderr.splitlines() if DECISION_LINE.match(line)]
+        """gcpatch's decisions on stderr, each whole (a long one wraps into indented rows;
+        gcpatch/headline.py: `gcpatch: <model>[ (<source>)]: <what changed> (<rule>: <why>)`, or
+        `gcpatch: checkpoint call at <file:line>: ...`)."""
+        return [line for line in self.messages() if DECISION_LINE.match(line)]
 
     def messages(self) -> list[str]:
         """stderr with each gcpatch message whole: a long one (a budget's plan, a verification) is

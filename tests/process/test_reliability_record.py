@@ -394,6 +394,37 @@ def test_explain_reads_hostile_records_without_a_traceback(tmp_path, name, lines
     tally("explain hostile records", name, True, True, False)
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_explain_reads_fields_of_the_wrong_type_and_names_what_it_skips(tmp_path, verbose):
+    """Valid JSON of the wrong type in a field (tests/unit/test_explain_fuzz.py found these): a
+    winner that is `true`, overruled votes that are a number, a record without `source` under -v.
+    Each is shown (the field read as absent, or said missing); a JSON object with no stage is
+    skipped, counted and named. Before, each of the three stopped `gcpatch explain` with a traceback."""
+    decision = _entry()["decision"]
+    lines = [
+        _decision(decision={**decision, "winners": {"use_reentrant": True}}),
+        _decision(decision={**decision, "overruled": 5}),
+        json.dumps(_entry(source=None)),
+        json.dumps({"rank": 0, "pid": 1, "time": 2.0}),
+    ]
+    record_dir = tmp_path / "rec"
+    record_dir.mkdir()
+    (record_dir / "gcpatch-rank0.jsonl").write_text("\n".join(lines) + "\n")
+    from testkit.harness import run_python
+
+    argv = ["explain", str(record_dir)] + (["-v"] if verbose else [])
+    proc = run_python(f"from gcpatch.cli import main; raise SystemExit(main({argv!r}))", tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    for said in (
+        "gcpatch: M: use_reentrant True -> False (?)",  # the winner read as absent
+        "gcpatch: rank 0 enable: incomplete record, missing decision.overruled",
+        "gcpatch: M: use_reentrant True -> False (R1: frozen)",  # no source: the line as ever
+    ):
+        assert said in proc.stdout.splitlines(), proc.stdout
+    assert "skipped 1 damaged line(s)" in proc.stderr, proc.stderr
+    assert "gcpatch-rank0.jsonl:4: a JSON object without a stage" in proc.stderr, proc.stderr
+
+
 def test_explain_shows_the_damage_of_a_record_whose_only_line_is_truncated(tmp_path):
     record_dir = tmp_path / "rec"
     record_dir.mkdir()
