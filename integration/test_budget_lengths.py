@@ -110,7 +110,9 @@ def test_eval_and_generate_between_steps_plan_nothing(script_runs):
 def test_each_new_largest_shape_is_said_once_and_recorded(script_runs):
     run = _run(script_runs, "size")
     lines = [m for m in run.messages() if " budget " in m and m.startswith("gcpatch: rank 0")]
-    assert "at 2 x 32 tokens, each later shape planned for itself" in lines[0], lines
+    assert "layers checkpointed" in lines[0] and "; measuring took " in lines[0], lines
+    [first] = [r for r in run.records() if r.get("stage") == "budget"]
+    assert first["budget"]["shape"] == [2, 32], first
     largest = [line for line in lines if "a new largest shape" in line]
     assert [line.split("shape, ")[1].split(" tokens")[0] for line in largest] == [
         "2 x 64",

@@ -257,7 +257,7 @@ def apply(model: Any, flags: list[bool]) -> None:
 
 
 def _report(name: str, chosen: budget_mod.Budget, outcome: dict, cfg: settings.Settings) -> None:
-    line = f"gcpatch: rank {rank()} budget {name}: {_line(chosen, outcome)}"
+    line = f"gcpatch: rank {rank()} budget {name}: {_line(chosen, outcome, name)}"
     below = "plan" in outcome and outcome["plan"]["below_floor"]
     level = logging.WARNING if "skipped" in outcome or below else logging.INFO
     log.log(level, "%s", headline.wrap(line))
@@ -273,7 +273,10 @@ def _report(name: str, chosen: budget_mod.Budget, outcome: dict, cfg: settings.S
     )
 
 
-def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
+def _line(chosen: budget_mod.Budget, outcome: dict, prefix: str = "") -> str:
+    """The plan in at most two terminal rows: what is checkpointed, what it holds against the
+    step without checkpointing, what it recomputes, and what the measuring cost, once; each
+    layer, lever and refusal is in the record's details (`gcpatch explain -v`)."""
     size = budget_mod.size
     if "skipped" in outcome:
         return (
@@ -282,46 +285,79 @@ def _line(chosen: budget_mod.Budget, outcome: dict) -> str:
         )
     plan = outcome["plan"]
     plain = plan["plain_bytes"] or 1.0
-    source = " (rank 0's cost model)" if outcome.get("from_rank0") else ""
+    handed = " (rank 0's cost model)" if outcome.get("from_rank0") else ""
     rows, tokens = outcome.get("shape") or (0, 0)
-    source += f" at {rows} x {tokens} tokens, each later shape planned for itself" if rows else ""
+    source = f" at {rows} x {tokens} tokens" if rows else ""
+    modes = plan.get("modes") or []
+    levered = sum(1 for mode in modes if mode not in (solver.PLAIN, solver.FULL))
+    kept = (selective.kept_text(modes), f" ({levered} with a lever)" if levered else "")
     if plan["below_floor"]:
-        return (
+        head = (
             f"memory budget {chosen.text} ({size(plan['limit_bytes'])}) is below the floor of full"
             f" checkpointing, {size(plan['floor_bytes'])} ({plan['floor_bytes'] / plain:.0%} of"
             f" {size(plan['plain_bytes'])} without checkpointing): all {plan['layers']} layers"
-            f" checkpointed{selective.kept_text(plan.get('modes') or [])}{source}"
+            f" checkpointed{handed}"
         )
+        return _fit(prefix, head, [(source, ""), kept, _cost_text(outcome)])
+    full = plan["full_recompute_s"] or 1.0
     every = (
         f", every_n_layers={plan['every_n_layers']}"
         if plan["every_n_layers"] and plan["checkpointed"]
         else ""
     )
-    full = plan["full_recompute_s"] or 1.0
-    every += selective.kept_text(plan.get("modes") or [])
-    every += solver.search_text(plan.get("exact", True))
-    return (
-        f"memory budget {chosen.text} ({size(plan['limit_bytes'])}): {plan['checkpointed']} of"
-        f" {plan['layers']} layers checkpointed{every}{source}; activations"
-        f" {size(plan['planned_bytes'])}, {plan['planned_bytes'] / plain:.0%} of"
-        f" {size(plan['plain_bytes'])} without checkpointing (saves"
-        f" {1 - plan['planned_bytes'] / plain:.0%}; full checkpointing would keep"
-        f" {plan['floor_bytes'] / plain:.0%}); expected recompute"
-        f" {plan['recompute_s'] / full:.0%} of full checkpointing's{_refused_text(outcome)}"
+    head = (
+        f"memory budget {chosen.text}: {plan['checkpointed']} of {plan['layers']} layers"
+        f" checkpointed{handed}"
     )
+    exact = plan.get("exact", True)
+    greedy = "" if exact else " (greedy)"
+    kept = (kept[0] + solver.search_text(exact), kept[1].replace(")", ", greedy)") or greedy)
+    figures = (
+        f"; holds {size(plan['planned_bytes'])}, {plan['planned_bytes'] / plain:.0%} of"
+        f" {size(plan['plain_bytes'])} without checkpointing (full checkpointing"
+        f" {plan['floor_bytes'] / plain:.0%}); recompute {plan['recompute_s'] / full:.0%} of full"
+        " checkpointing's"
+    )
+    parts = [(every, ""), (source, ""), kept, ("", ""), _refused_text(outcome)]
+    parts[3] = (
+        figures,
+        figures.replace(" without checkpointing (full checkpointing", " (full").replace(
+            " of full checkpointing's", " of full's"
+        ),
+    )
+    return _fit(prefix, head, [*parts, _cost_text(outcome)])
 
 
-def _refused_text(outcome: dict) -> str:
-    """The levers a trial run refused, said after the plan: "; keeping the matmuls left out on 4
-    of 4 layers, its trial failed (RuntimeError: ...)"."""
-    measured = outcome.get("measured") or {}
-    refused = (measured.get("levers") or {}).get("refused") or {}
-    layers = len(measured.get("layers") or [])
-    return "".join(
-        f"; {selective.NAMED[lever].name} left out on {len(r['layers'])} of {layers} layers, its"
-        f" trial failed ({r['why']})"
+def _fit(prefix: str, head: str, parts: list[tuple[str, str]], tail: str = "") -> str:
+    """`head`, then each of `parts` (its full and its short form), then `tail`, within two terminal
+    rows: the parts take their short form in turn, first to last, until the line fits; all of it
+    stays in the record's details (`gcpatch explain -v`)."""
+    for short in range(len(parts) + 1):
+        line = head + "".join(p[1] if i < short else p[0] for i, p in enumerate(parts)) + tail
+        if len(headline.wrap(f"gcpatch: rank 0 budget {prefix}: {line}").splitlines()) <= 2:
+            break
+    return line
+
+
+def _cost_text(outcome: dict) -> tuple[str, str]:
+    """What the first step's measuring took, said once (a plan handed over took none here), and
+    in short."""
+    seconds = (outcome.get("measured") or {}).get("seconds")
+    if not seconds:
+        return "", ""
+    return f"; measuring took {seconds:.2g} s, once", f"; measured in {seconds:.2g} s"
+
+
+def _refused_text(outcome: dict) -> tuple[str, str]:
+    """The levers a trial run refused, by name, and in short (why: in the details): ("; keeping
+    the matmuls refused on 4 layers", "; 1 lever refused")."""
+    refused = ((outcome.get("measured") or {}).get("levers") or {}).get("refused") or {}
+    full = "".join(
+        f"; {selective.NAMED[lever].name} refused on {len(r['layers'])} layers"
         for lever, r in refused.items()
     )
+    count = len(refused)
+    return full, f"; {count} lever{'s' if count > 1 else ''} refused" if count else ""
 
 
 def _details(outcome: dict) -> list[str]:

@@ -48,10 +48,7 @@ def search_text(exact: bool) -> str:
     that the plan is not the proven cheapest, and by how much it may miss."""
     if exact:
         return ""
-    return (
-        " (too many layers of distinct sizes for the exact search: a greedy plan, within one"
-        " layer's recompute of the cheapest)"
-    )
+    return " (greedy: within one layer's recompute of the cheapest)"
 
 
 @dataclass(frozen=True)

@@ -451,5 +451,5 @@ def test_the_line_says_where_the_plan_is_greedy_and_not_where_it_is_exact():
         with mock.patch.object(solver, "MAX_FRONT", front):
             plan = solve(layers, 0.0, limit)
         lines[plan.exact] = planner._line(chosen, {"plan": plan_dict(plan)})
-    assert "a greedy plan, within one layer's recompute of the cheapest" in lines[False]
+    assert "greedy" in lines[False]  # in full where the two rows have room for it
     assert "greedy" not in lines[True]

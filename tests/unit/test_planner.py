@@ -318,3 +318,40 @@ def test_a_batch_whose_first_row_does_not_run_alone_is_measured_whole_at_two_row
     assert costs.plain[0](1, 1) == pytest.approx(costs.plain[0](2, 1) / 2)
     assert costs.plain[0](2, 1) == measured["layers"][0]["plain_bytes"] > 0
     assert "2 of 3 layers checkpointed" in headline.unwrap(caplog.records[-1].getMessage())
+
+
+def test_the_budgets_first_line_takes_at_most_two_rows_with_every_lever_and_a_refusal():
+    """A long model name, three levers, a refused lever, a greedy plan and the measuring's cost:
+    the line stays within two terminal rows, the layer pattern and the shape giving way first,
+    and says the measuring's cost once; the record keeps every detail."""
+    from gcpatch.step import solver
+
+    modes = [solver.FULL] * 2 + [solver.KEEP_MATMULS] * 3 + [solver.FEED_FORWARD] * 3
+    modes += [solver.KEEP_ATTENTION] * 2 + [solver.PLAIN] * 2
+    plan = {
+        "plain_bytes": 100 << 20,
+        "planned_bytes": 49 << 20,
+        "floor_bytes": 12 << 20,
+        "limit_bytes": 50 << 20,
+        "layers": len(modes),
+        "checkpointed": len(modes) - 2,
+        "every_n_layers": None,
+        "modes": modes,
+        "exact": False,
+        "below_floor": False,
+        "recompute_s": 0.3,
+        "full_recompute_s": 1.0,
+    }
+    refused = {solver.OFFLOAD: {"layers": [0, 1, 2], "why": "RuntimeError: " + "x" * 200}}
+    outcome = {
+        "plan": plan,
+        "shape": [4, 4096],
+        "measured": {"seconds": 3.25, "levers": {"refused": refused}},
+    }
+    name = "Qwen2_5_VLForConditionalGeneration"
+    line = f"gcpatch: rank 0 budget {name}: {planner._line(parse('0.5'), outcome, name)}"
+    rows = headline.wrap(line).splitlines()
+    assert len(rows) <= 2, rows
+    assert "10 of 12 layers checkpointed" in line and "greedy" in line, line
+    assert line.count("measur") == 1 and "3.2 s" in line, line
+    assert "refused" in line and "x" * 20 not in line, line
