@@ -110,8 +110,13 @@ def apply(
     if decision.values.get(INPUT_GRADS_HOOK) and (
         decision.values.get(USE_REENTRANT) or checkpoint_function()
     ):
-        _install_input_hooks(model, state)
-        applied[INPUT_GRADS_HOOK] = True
+        if decision.mode == "strict":
+            # strict changes nothing on its own: a layer's checkpoint call whose input would need
+            # the hook raises instead (CK1 naming this rule, gcpatch/checkpoint_call.py)
+            applied["withheld"] = "input_grads_hook (strict mode)"
+        else:
+            _install_input_hooks(model, state)
+            applied[INPUT_GRADS_HOOK] = True
     if decision.values.get(USE_CACHE_OFF):
         applied.update(use_cache_off(model))
     stacks = checkpoint_stacks(model)
@@ -549,6 +554,13 @@ def _transformers_hooks(embeddings: Any) -> list[int]:
         for key, fn in hooks.items()
         if getattr(fn, "__qualname__", "").endswith(_TRANSFORMERS_HOOKS)
     ]
+
+
+def input_grads_hooked(model: Any) -> bool:
+    """Whether transformers' own input-grads hook (`enable_input_require_grads`) sits on the
+    model's input embeddings."""
+    embeddings = _embeddings_of(model)
+    return embeddings is not None and bool(_transformers_hooks(embeddings))
 
 
 def dedupe_input_grads_hooks(model: Any) -> int:

@@ -39,6 +39,7 @@ from gcpatch.facts import named_modules
 from gcpatch.schema import (
     DEFAULT,
     GRAD_INPUT,
+    INPUT_GRADS_HOOK,
     LIFT_BOUND_TENSORS,
     REQUIRED,
     RUN_INLINE,
@@ -116,6 +117,30 @@ class _Outcome:
 _AS_CALLED = _Outcome()
 
 
+class Counted:
+    """A checkpointed function whose runs verify counts (gcpatch/step/verify.py). The call is
+    decided on `function` itself, as the user's step shows it (a wrapper would hide a partial's
+    bound tensors), the count is taken inside the checkpoint after any rewrite, forward and
+    recompute alike, and `rules` keeps what the call rules changed ({rule: short reason}) for
+    verify's line. Called as it is where gcpatch does not decide (not active, compile tracing)."""
+
+    __slots__ = ("function", "count", "rules")
+
+    def __init__(self, function: Callable[..., Any], count: Callable[[], None]) -> None:
+        self.function, self.count = function, count
+        self.rules: dict[str, str] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.count()
+        return self.function(*args, **kwargs)
+
+    def took(self, outcome: _Outcome) -> None:
+        winners = outcome.decision.winners if outcome.decision is not None else {}
+        for vote in winners.values():
+            if vote.rule in outcome.rules:
+                self.rules.setdefault(vote.rule, vote.short or vote.reason)
+
+
 def cover(model: Any, decision: Decision | None = None) -> None:
     """An enable-time decision now governs the checkpoint calls of `model`'s modules (CK4): at
     each call it is the standing vote, which only the call's own evidence (CK1, CK5) outranks."""
@@ -131,6 +156,10 @@ def cover(model: Any, decision: Decision | None = None) -> None:
         if winner is not None
         else (type(model).__name__, "DEFAULT", DEFAULT, "", "")
     )
+    # the input-grads hook strict mode withheld (gcpatch/apply.py): the call it would serve names it
+    hook = decision.winners.get(INPUT_GRADS_HOOK) if decision is not None else None
+    withheld = decision is not None and decision.mode == "strict" and hook is not None
+    standing += (hook if withheld and hook.value else None,)
     for _, module in named_modules(model):
         _covered[module] = standing
 
@@ -149,7 +178,10 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
         return original(*args, **kwargs)
     if not args:  # checkpoint(**options)(function): torch 2.14's curried form
         return curried_call.curry(original, kwargs, CHECKPOINT_KWARGS)
-    function = args[0]
+    function, counted = args[0], None
+    if type(function) is Counted:  # verify's checked pass: decided on the user's function
+        counted, function = function, function.function
+        args = (function, *args[1:])
     key = None
     try:
         asked = kwargs.get(USE_REENTRANT)
@@ -161,21 +193,31 @@ def run(original: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) 
         raise exc.with_traceback(None) from exc.__cause__
     except Exception as exc:  # noqa: BLE001 (fail open: the call runs as made, one line)
         key, outcome = None, _failed_open(exc)
+    count = None
+    if counted is not None:
+        counted.took(outcome)
+        count = counted.count
     if outcome.inline:
         inner = {k: v for k, v in kwargs.items() if k not in CHECKPOINT_KWARGS}
-        return function(*args[1:], **inner)
+        return (counted or function)(*args[1:], **inner)
     decided = outcome.use_reentrant
     runs_reentrant = (
         decided if decided is not None else kwargs.get(USE_REENTRANT, True) is not False
     )
     if runs_reentrant and key is not None and _torch.is_grad_enabled():
-        return _checked_result(original, args, kwargs, outcome, key)
-    return _checkpoint(original, args, kwargs, outcome)
+        return _checked_result(original, args, kwargs, outcome, key, count)
+    return _checkpoint(original, args, kwargs, outcome, count)
 
 
-def _checkpoint(original: Callable[..., Any], args: tuple, kwargs: dict, outcome: _Outcome) -> Any:
+def _checkpoint(
+    original: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    outcome: _Outcome,
+    count: Callable[[], None] | None = None,
+) -> Any:
     """torch's checkpoint, called as `outcome` says: use_reentrant, and the rewrites that keep a
-    reentrant call exact (gcpatch/call_rewrites.py)."""
+    reentrant call exact (gcpatch/call_rewrites.py). `count` is verify's, called at each run."""
     function, rest = args[0], args[1:]
     if outcome.use_reentrant is not None:
         kwargs = {**kwargs, USE_REENTRANT: outcome.use_reentrant}
@@ -191,14 +233,21 @@ def _checkpoint(original: Callable[..., Any], args: tuple, kwargs: dict, outcome
     if (
         USE_REENTRANT not in kwargs
     ):  # torch warns with stacklevel=2: it names the caller, not gcpatch
-        result = call_from(user_frame(), original, (_inside_checkpoint(function), *rest), kwargs)
+        result = call_from(
+            user_frame(), original, (_inside_checkpoint(function, count), *rest), kwargs
+        )
     else:
-        result = original(_inside_checkpoint(function), *rest, **kwargs)
+        result = original(_inside_checkpoint(function, count), *rest, **kwargs)
     return result if rebuild is None else rebuild(result)
 
 
 def _checked_result(
-    original: Callable[..., Any], args: tuple, kwargs: dict, outcome: _Outcome, key: Any
+    original: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    outcome: _Outcome,
+    key: Any,
+    count: Callable[[], None] | None = None,
 ) -> Any:
     """A reentrant call's result shows whether reentrant could track it (CK7: tensors inside a
     dict, list or ModelOutput come back without a graph). Where it could not, the call is decided
@@ -210,7 +259,7 @@ def _checked_result(
     if key not in _probed:
         _probed.add(key)
         restore = call_rewrites.rng_snapshot(_torch, args[1:])
-    result = _checkpoint(original, args, kwargs, outcome)
+    result = _checkpoint(original, args, kwargs, outcome, count)
     if outcome.tuple_outputs or call_facts.tracked_quickly(result, _torch.Tensor):
         return result
     try:
@@ -231,7 +280,7 @@ def _checked_result(
         restore()
     else:
         _say_rng_not_rewound(args[0])
-    return _checkpoint(original, args, kwargs, again)
+    return _checkpoint(original, args, kwargs, again, count)
 
 
 def _say_rng_not_rewound(function: Any) -> None:
@@ -391,11 +440,16 @@ def _failed_open(exc: BaseException) -> _Outcome:
     return _AS_CALLED
 
 
-def _inside_checkpoint(function: Callable[..., Any]) -> Callable[..., Any]:
+def _inside_checkpoint(
+    function: Callable[..., Any], count: Callable[[], None] | None = None
+) -> Callable[..., Any]:
     """The checkpointed function, marking that code runs inside a checkpoint (forward and
-    recompute alike), so a checkpoint call nested in it is known as such (CK2)."""
+    recompute alike), so a checkpoint call nested in it is known as such (CK2); `count`: verify's
+    count of the block's runs (`Counted`)."""
 
     def body(*args: Any, **kwargs: Any) -> Any:
+        if count is not None:
+            count()
         token = _depth.set(_depth.get() + 1)
         try:
             return function(*args, **kwargs)
@@ -448,6 +502,8 @@ def _decide(key: tuple, torch: Any) -> _Outcome:
         TUPLE_OUTPUTS: tuple_outputs,
     }
     rules = tuple(dict.fromkeys(v.rule for k, v in decision.winners.items() if applied.get(k)))
+    if cfg.strict:  # strict mode changes nothing on its own: a rewrite raises, nothing is cached
+        _refuse_rewrites(decision, applied, covered)
     if covered and use_reentrant is not None:
         _say_evidence_won(decision, covered)
     outcome = _Outcome(
@@ -455,6 +511,25 @@ def _decide(key: tuple, torch: Any) -> _Outcome:
     )
     _outcomes[key] = outcome
     return outcome
+
+
+def _refuse_rewrites(decision: Decision, applied: dict, covered: tuple | None) -> None:
+    """Strict mode where fix mode would rewrite the call to keep its reentrant exact (CK1, CK5,
+    CK7): the rule, the rewrite, the user's fix. An input that requires grad, on a call from a
+    model whose input-grads hook strict mode withheld (R2, P1, R3), is that hook's to name."""
+    for knob in (GRAD_INPUT, LIFT_BOUND_TENSORS, TUPLE_OUTPUTS):
+        if not applied.get(knob):
+            continue
+        vote = decision.winners[knob]
+        hook = covered[5] if covered and len(covered) > 5 else None
+        if knob == GRAD_INPUT and hook is not None:
+            raise resolve.refusal(
+                hook,
+                because=f"{hook.short or hook.reason}, and a reentrant checkpoint call of"
+                f" {covered[0]}'s layers gets no input that requires grad ({vote.rule}): their"
+                " parameters would get no gradient",
+            )
+        raise resolve.refusal(vote)
 
 
 def _standing(facts: CallFacts, covered: tuple | None) -> Vote:
@@ -465,7 +540,7 @@ def _standing(facts: CallFacts, covered: tuple | None) -> Vote:
     raises).
     """
     if covered:
-        model, rule, strength, avoids, why = covered
+        model, rule, strength, avoids, why = covered[:5]
         return Vote(
             USE_REENTRANT,
             facts.reentrant,

@@ -19,6 +19,7 @@ from gcpatch.errors import GcpatchError
 from gcpatch.manager import PluginFailure
 from gcpatch.schema import (
     EVAL_MODE_FIX,
+    INPUT_GRADS_HOOK,
     REQUIRED,
     USE_CACHE_OFF,
     USE_REENTRANT,
@@ -64,6 +65,8 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
         )
         votes = resolve.stance_votes(facts) + engine.host().votes(facts) + ctx.model.evidence
         decision = resolve.resolve(votes, cfg.mode)
+        if cfg.strict:  # before anything changes: the framework's enable has not run yet
+            _refuse_use_cache(facts, decision)
     except GcpatchError:
         raise
     except Exception as exc:  # noqa: BLE001 (fail open: the framework's enable as asked)
@@ -72,6 +75,13 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
     apply.reset(call.model)
     with context.asking(inside=True):
         result = call.invoke(ctx.chosen(decision.values[USE_REENTRANT]))
+    if cfg.strict:  # the framework's enable ran as asked; transformers' own hook is in place now
+        try:
+            _refuse_unseen_hook(call.model, facts, decision)
+        except GcpatchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (strict: _failed_open raises GcpatchError)
+            _failed_open(Stage.ENABLE, exc, cfg)
     try:
         applied = apply.apply(call.model, decision, run_first_forward)
     except Exception as exc:  # noqa: BLE001 (fail open: undone, enabled again as asked)
@@ -224,7 +234,9 @@ def _decide_first_forward(model: Any) -> None:
                 trainer=known.trainer,
             )
         )
-        decision = resolve.resolve(engine.host().votes(facts), cfg.mode)
+        decision = resolve.resolve(engine.host().votes(facts), cfg.mode)  # strict: R5 raises
+        if cfg.strict:
+            _refuse_use_cache(facts, decision)
         if not decision.winners and not decision.warnings:
             return
         applied: dict[str, Any] = {}
@@ -244,6 +256,40 @@ def _decide_first_forward(model: Any) -> None:
     except Exception as exc:  # noqa: BLE001 (fail open: the model as the framework left it)
         apply.reset(model)
         _failed_open(Stage.FIRST_FORWARD, exc, cfg)
+
+
+def _refuse_use_cache(facts: Any, decision: Any) -> None:
+    """Strict mode changes nothing on its own (docs/HOW-IT-WORKS.md, "Strict mode"): R6 raises
+    where a config has use_cache on."""
+    cache = decision.winners.get(USE_CACHE_OFF) if decision.values.get(USE_CACHE_OFF) else None
+    on = sorted(where for where, value in (facts.use_cache_configs or {}).items() if value)
+    if cache is not None and (on or (not facts.use_cache_configs and facts.use_cache)):
+        raise resolve.refusal(cache, f" on {', '.join(on) or 'config'}")
+
+
+def _refuse_unseen_hook(model: Any, facts: Any, decision: Any) -> None:
+    """Strict mode withholds the input-grads hook (R2, P1, R3; gcpatch/apply.py): through torch's
+    checkpoint, the layer call whose input would need it raises (CK1, naming the hook's rule). A
+    checkpoint function other than torch's, or the torch plugin not running, hides those calls:
+    strict raises here where a stack fed by the input embeddings trains with nothing trainable
+    upstream, and no hook of transformers' own (its enable's, or the user's
+    enable_input_require_grads) serves it."""
+    hook = decision.winners.get(INPUT_GRADS_HOOK) if decision.values.get(INPUT_GRADS_HOOK) else None
+    if hook is None:
+        return
+    if facts.checkpoint_function:  # it may run reentrant whatever it is asked: the hook either way
+        unseen = f"the layers call {facts.checkpoint_function}"
+    elif decision.values.get(USE_REENTRANT) and not any(
+        s.name == "torch" for s in engine.host().active()
+    ):
+        unseen = "the torch plugin is not running"
+    else:
+        return
+    if any(
+        s.trainable_in_blocks and not s.inputs_can_require_grad and s.fed_by_input_embeddings
+        for s in facts.stacks
+    ) and not apply.input_grads_hooked(model):
+        raise resolve.refusal(hook, f" ({unseen}: gcpatch cannot see the checkpoint calls)")
 
 
 def _with_framework_facts(facts: Any) -> Any:

@@ -5,7 +5,10 @@ user's explicit ask overrules is only recorded, unless it names a cost the ask p
 then the user is told (a performance cost is no reason to change a correct choice). A required vote
 against the user's explicit choice wins in fix mode (with a warning), loses in warn mode
 (with a warning) and raises in strict mode. Required votes that disagree are settled by the
-failure each avoids, and both reasons are recorded.
+failure each avoids, and both reasons are recorded. Strict mode changes nothing on its own
+(docs/HOW-IT-WORKS.md, "Strict mode"): a rule that would change the model's state (R5, CK2) raises
+here; the other changes (the input-grads hook, use_cache, a call's rewrites) raise where they
+would take effect (`refusal`, from gcpatch/pipeline.py and gcpatch/checkpoint_call.py).
 
 The outcome never depends on the order the votes arrive in (plugin order): votes are taken in
 a canonical order, and votes of equal standing that disagree (required votes avoiding equally
@@ -16,15 +19,22 @@ rule id. The record says it was a tie, not a ranking.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from gcpatch.errors import GcpatchError
 from gcpatch.schema import (
     DEFAULT,
     EVAL_MODE_FIX,
     FAILURE_ORDER,
+    GRAD_INPUT,
+    INPUT_GRADS_HOOK,
     KNOBS,
+    LIFT_BOUND_TENSORS,
     REQUIRED,
     RUN_INLINE,
     STRENGTH_ORDER,
+    TUPLE_OUTPUTS,
+    USE_CACHE_OFF,
     USE_REENTRANT,
     USER,
     Decision,
@@ -34,8 +44,83 @@ from gcpatch.schema import (
 )
 
 # Knobs about how the user's own code runs rather than a checkpoint argument: warn mode only
-# warns about them (R5, CK2).
+# warns about them and strict mode raises (R5, CK2).
 _STATE_KNOBS = (EVAL_MODE_FIX, RUN_INLINE)
+
+# Strict mode's refusals: per knob, what fix mode would change and what the user does instead
+# (read-only); a rewrite's vote describes the rewrite, so `PROBLEMS` says what it answers.
+PROBLEMS = MappingProxyType(
+    {
+        GRAD_INPUT: "no input of this reentrant checkpoint call requires grad: the trainable"
+        " parameters inside would get no gradient",
+        LIFT_BOUND_TENSORS: "tensors with a graph reach this reentrant checkpoint call's function"
+        " other than as positional inputs (a partial's arguments or keywords, closure cells,"
+        " default arguments), which reentrant does not see: their gradients are lost, or their"
+        " graph is run a second time in backward",
+        TUPLE_OUTPUTS: "the checkpointed function returns tensors inside a dict, list or"
+        " ModelOutput, which reentrant returns without a graph: everything before them would get"
+        " no gradient",
+    }
+)
+CHANGES = MappingProxyType(
+    {
+        EVAL_MODE_FIX: (
+            "make the checkpointed layers left in eval mode checkpoint anyway (their `training`"
+            " flag set in forwards that build a graph)",
+            "call model.train() before the training step",
+        ),
+        RUN_INLINE: (
+            "run this checkpoint call's function directly, as the checkpoint around it already"
+            " recomputes it",
+            "checkpoint each block in one place only (the inner checkpoint call, or the outer"
+            " wrapper such as FSDP's checkpoint_wrapper, not both)",
+        ),
+        INPUT_GRADS_HOOK: (
+            "put an input-grads hook on the input embeddings' output and on inputs_embeds, so that"
+            " the checkpointed layers' first input requires grad (use_reentrant kept)",
+            "call model.enable_input_require_grads() and pass inputs_embeds that require grad, or"
+            " pass use_reentrant=False",
+        ),
+        USE_CACHE_OFF: (
+            "set use_cache=False",
+            "set use_cache=False on the model's config before training with checkpointing",
+        ),
+        LIFT_BOUND_TENSORS: (
+            "pass the tensors bound into the checkpointed function (a partial's arguments or"
+            " keywords, closure cells, default arguments) to the checkpoint as positional inputs"
+            " (use_reentrant kept)",
+            "pass those tensors to checkpoint() (or to the checkpointed layer) positionally, or"
+            " pass use_reentrant=False",
+        ),
+        GRAD_INPUT: (
+            "hand the call one more input that requires grad, which the function never sees"
+            " (use_reentrant kept)",
+            "give the call an input that requires grad (a transformers model:"
+            " model.enable_input_require_grads(), or inputs_embeds that require grad), or pass"
+            " use_reentrant=False",
+        ),
+        TUPLE_OUTPUTS: (
+            "pass the function's result through the checkpoint as a flat tuple and rebuild it after"
+            " (use_reentrant kept)",
+            "return a tensor or a tuple of tensors from the checkpointed function, or pass"
+            " use_reentrant=False",
+        ),
+    }
+)
+
+
+def refusal(vote: Vote, detail: str = "", because: str = "") -> GcpatchError:
+    """Strict mode's answer where fix mode would apply `vote` (not a use_reentrant conflict, which
+    `resolve` raises itself): the rule, what it would change (`detail` added to the knob's words),
+    and the user's own fix. `because` replaces the vote's reason where another rule's evidence
+    shows it (CK1 at the call for R2's withheld hook)."""
+    change, fix = CHANGES.get(vote.knob, (f"set {vote.knob}={vote.value}", ""))
+    problem = because or PROBLEMS.get(vote.knob) or vote.reason
+    return GcpatchError(
+        f"{problem}; strict mode changes nothing on its own (fix mode would {change}{detail})",
+        rule=vote.rule,
+        fix=fix or f"set {vote.knob}={vote.value} yourself, or set GCPATCH_MODE=fix",
+    )
 
 
 def stance_votes(facts: Facts) -> list[Vote]:
@@ -138,6 +223,8 @@ def _resolve_knob(votes: list[Vote], mode: str, decision: Decision) -> Vote | No
     if chosen.knob in _STATE_KNOBS and mode == "warn":
         decision.warnings.append(f"{chosen.rule}: {chosen.reason} (warn mode: left as it is)")
         return None
+    if chosen.knob in _STATE_KNOBS and mode == "strict":
+        raise refusal(chosen)
     if user is None or user.value == chosen.value:
         return chosen
     conflict = (
@@ -146,7 +233,8 @@ def _resolve_knob(votes: list[Vote], mode: str, decision: Decision) -> Vote | No
     )
     if mode == "strict":
         raise GcpatchError(
-            conflict,
+            f"{conflict}; strict mode changes nothing on its own (fix mode would change"
+            f" {chosen.knob} {user.value} -> {chosen.value})",
             rule=chosen.rule,
             fix=f"pass {chosen.knob}={chosen.value}, or set GCPATCH_MODE=warn to keep yours",
         )

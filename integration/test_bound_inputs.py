@@ -99,13 +99,14 @@ def test_keyword_features_beside_a_positional_input_are_not_flipped(script_runs)
     ), call
 
 
-def test_warn_and_strict_mode_apply_what_keeps_the_users_choice(script_runs):
-    """Passing the bound tensors as inputs changes nothing the user chose: every mode applies it."""
+def test_warn_mode_applies_what_keeps_the_users_choice_and_strict_names_it(script_runs):
+    """Passing the bound tensors as inputs changes nothing the user chose: warn mode applies it as
+    fix mode does; strict changes no call on its own, and names the rule and the fix."""
     warn = _get(script_runs, "bound,autograd_grad", env={"GCPATCH_MODE": "warn"})
     assert warn.result["bound"]["wrong"] == 0, warn.describe()
     assert "warn mode keeps" not in warn.stderr, warn.stderr
     strict = _get(script_runs, "bound", env={"GCPATCH_MODE": "strict"})
-    assert strict.result["bound"]["error"] is None and strict.result["bound"]["wrong"] == 0
+    assert (strict.result["bound"]["error"] or "").startswith("GcpatchError: [CK1]"), strict.result
 
 
 def test_verify_mode_confirms_the_corrected_call(script_runs):

@@ -6,8 +6,8 @@ checkpoint of a block whose inputs need no grad): on 4.57 for input_ids and inpu
 5.x only for inputs_embeds (5.x hooks the embedding output for input_ids models, X2).
 gcpatch keeps the user's reentrant, which is correct once the input-grads hook gives the first
 checkpointed input a gradient (R2, on the embedding output and on inputs_embeds): R1 only
-recommends non-reentrant here, so fix mode leaves the choice, strict mode does not raise, and every
-gradient matches the reference in every mode. Where no hook can serve, R1 still requires
+recommends non-reentrant here, so fix and warn mode leave the choice and every gradient matches the
+reference; strict mode, which installs no hook on its own, raises naming R2 where one is needed. Where no hook can serve, R1 still requires
 non-reentrant (test_custom_checkpointer.py, test_families.py's Whisper).
 """
 
@@ -75,12 +75,20 @@ def test_frozen_layers_get_exact_gradients_under_reentrant(script_runs, api, inp
 
 @pytest.mark.parametrize("inp", ["ids", "embeds"])
 @pytest.mark.parametrize("mode", ["warn", "strict"])
-def test_warn_and_strict_mode_keep_the_correct_choice_without_a_warning_or_an_error(
+def test_warn_mode_keeps_the_correct_choice_and_strict_names_the_hook_it_would_install(
     script_runs, inp, mode
 ):
+    """Warn mode keeps the user's reentrant and installs R2's hook, which changes no choice.
+    Strict changes nothing on its own (docs/HOW-IT-WORKS.md, "Strict mode"): where the plain run
+    loses gradients the hook would be installed, so it raises naming R2 and the fix; where the
+    plain run is exact (5.x on input_ids: transformers' own hook) it runs as fix mode."""
     run = script_runs.get(
         SCRIPT, "--api", "gc", "--input", inp, gcpatch=True, env={"GCPATCH_MODE": mode}
     )
+    if mode == "strict" and plain_lost("gc", inp):
+        assert run.returncode != 0 and not run.result, run.describe()
+        assert "GcpatchError: [R2]" in run.stderr, run.stderr[-3000:]
+        return
     r = run.result
     assert (r["wrong"], r["grad_none"], r["applied_use_reentrant"]) == (0, 0, True), run.describe()
     [rec] = enable_records(run)

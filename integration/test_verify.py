@@ -57,8 +57,9 @@ def test_verify_reports_match_on_setups_gcpatch_fixes(script_runs, setup):
     assert rep["gradients_match"] and rep["missing"] == rep["differ"] == rep["extra"] == []
     assert rep["tensors"] == run.result["trainable"]
     assert rep["rows"] == 1 and rep["batch"] == 4
-    # a real saving, measured: GPT-2 92%, Llama 83-85% of the forward's activation bytes on CPU
-    assert rep["saved_fraction"] > 0.6, rep
+    # a real saving, measured: GPT-2 92%, Llama 83-85% of the forward's activation bytes on CPU;
+    # the keyword model's reentrant calls as the step runs them (CK1's extra input kept) 53%
+    assert rep["saved_fraction"] > (0.45 if setup == "kwargs" else 0.6), rep
     assert rep["saved_bytes_checkpointed"] < rep["saved_bytes_plain"]
     runs = list(rep["blocks"].values())
     assert runs and all(r["forward"] == 1 and r["backward"] <= 1 for r in runs), rep

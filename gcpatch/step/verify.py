@@ -77,6 +77,9 @@ class Report:
     # the set-up as configured raised in the checked step (a known checkpointing crash): the finding
     fails: str = ""
     fix: str = ""
+    # the call rules that changed a checkpoint call in the checked pass, as in the user's step
+    # (rule -> short reason: CK1, CK5 and CK7 keep a reentrant call exact, CK2 and CK3)
+    call_rules: dict[str, str] = field(default_factory=dict)
 
     @property
     def wrong(self) -> list[str]:
@@ -164,14 +167,15 @@ class Report:
         if self.fails:
             fix = f"; fix: {self.fix}" if self.fix else ""
             return (
-                f"{self.model}: the set-up as configured fails in its first step: {self.fails}{fix}"
+                f"{self.model}: the set-up as configured fails in its first step"
+                f"{self._as_run()}: {self.fails}{fix}"
             )
         if self.skipped:
             return f"{self.model}: not verified ({self.skipped})"
         if self.gradients_match:
             grads = (
                 f"gradients match ({self.tensors} tensors, max abs diff {self.max_abs_diff:.3g}, "
-                f"max rel diff {self.max_rel_diff:.3g})"
+                f"max rel diff {self.max_rel_diff:.3g}){self._as_run()}"
             )
         else:
             parts = []
@@ -182,8 +186,8 @@ class Report:
             if self.differ:
                 parts.append(f"differ {_names(self.differ)} (max rel diff {self.max_rel_diff:.3g})")
             grads = (
-                f"gradients DIFFER in {len(self.wrong)} of {self.tensors} tensors:"
-                f" {'; '.join(parts)}"
+                f"gradients DIFFER in {len(self.wrong)} of {self.tensors} tensors"
+                f"{self._as_run()}: {'; '.join(parts)}"
             )
         memory = (
             f"activations saved {self.saved_fraction:.0%} ({size(self.saved_bytes_plain)} -> "
@@ -206,6 +210,13 @@ class Report:
                 f"{name} x{runs['backward']}" for name, runs in self.blocks.items()
             )
         return f"{self.model}: {grads}; {memory}; {recompute}"
+
+    def _as_run(self) -> str:
+        """Which of gcpatch's call rules the checked step ran with, as the user's step does."""
+        if not self.call_rules:
+            return ""
+        said = "; ".join(f"{rule}: {why}" for rule, why in sorted(self.call_rules.items()))
+        return f" with the checkpoint calls as gcpatch runs them ({said})"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -422,7 +433,8 @@ def _run(
             saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
-    restore = _swap_checkpoint_functions(model, checkpointing, blocks, phase)
+    rules: dict[str, str] = {}
+    restore = _swap_checkpoint_functions(model, checkpointing, blocks, phase, rules)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
             output = model(*args, **kwargs)
@@ -436,6 +448,7 @@ def _run(
     if checkpointing:
         report.saved_bytes_checkpointed = saved[0]
         report.blocks = blocks
+        report.call_rules = rules
     else:
         report.saved_bytes_plain = saved[0]
     return grads
@@ -446,11 +459,12 @@ def _identity(tensor: Any) -> Any:
 
 
 def _swap_checkpoint_functions(
-    model: Any, checkpointing: bool, blocks: dict, phase: list
+    model: Any, checkpointing: bool, blocks: dict, phase: list, rules: dict
 ) -> Callable[[], None]:
     """Every checkpointed module's `_gradient_checkpointing_func` (transformers', or R5's wrapper
-    around it) is swapped for one that counts the block's runs, or for a plain call; the returned
-    function puts back the very same objects."""
+    around it) is swapped for one that counts the block's runs (and gathers the call rules that
+    changed its calls into `rules`), or for a plain call; the returned function puts back the very
+    same objects."""
     names = {id(m): name for name, m in model.named_modules()}
     swapped: list[tuple[Any, str, Any]] = []
     for name, module in model.named_modules():
@@ -465,7 +479,7 @@ def _swap_checkpoint_functions(
         else:
             target, attr = module, "_gradient_checkpointing_func"
         inner = getattr(target, attr)
-        new = _counting(inner, name, names, blocks, phase) if checkpointing else _run_plainly
+        new = _counting(inner, name, names, blocks, phase, rules) if checkpointing else _run_plainly
         setattr(target, attr, new)
         swapped.append((target, attr, inner))
 
@@ -483,8 +497,13 @@ def _run_plainly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
 
 
 def _counting(
-    inner: Callable[..., Any], owner: str, names: dict, blocks: dict, phase: list
+    inner: Callable[..., Any], owner: str, names: dict, blocks: dict, phase: list, rules: dict
 ) -> Callable[..., Any]:
+    """The block's checkpoint function, counting its runs. The function goes to the checkpoint as
+    `Counted`, which gcpatch's call decision unwraps: a closure around it would hide a partial's
+    bound tensors, and the checked pass would run a call the user's step does not (CK1, CK5)."""
+    from gcpatch.checkpoint_call import Counted
+
     calls = [0]
 
     def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -494,11 +513,14 @@ def _counting(
             calls[0] += 1
         runs = blocks.setdefault(block, {"forward": 0, "backward": 0})
 
-        def counted(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        def count() -> None:
             runs[phase[0]] += 1
-            return function(*inner_args, **inner_kwargs)
 
-        return inner(counted, *args, **kwargs)
+        counted = Counted(function, count)
+        try:
+            return inner(counted, *args, **kwargs)
+        finally:
+            rules.update(counted.rules)
 
     return checkpoint
 
