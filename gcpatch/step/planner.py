@@ -350,10 +350,12 @@ def _cost_text(outcome: dict) -> tuple[str, str]:
 
 def _refused_text(outcome: dict) -> tuple[str, str]:
     """The levers a trial run refused, by name, and in short (why: in the details): ("; keeping
-    the matmuls refused on 4 layers", "; 1 lever refused")."""
-    refused = ((outcome.get("measured") or {}).get("levers") or {}).get("refused") or {}
+    the matmuls refused on 4 of 8 layers", "; 1 lever refused")."""
+    measured = outcome.get("measured") or {}
+    refused = (measured.get("levers") or {}).get("refused") or {}
+    layers = len(measured.get("layers") or [])
     full = "".join(
-        f"; {selective.NAMED[lever].name} refused on {len(r['layers'])} layers"
+        f"; {selective.NAMED[lever].name} refused on {len(r['layers'])} of {layers} layers"
         for lever, r in refused.items()
     )
     count = len(refused)

@@ -346,7 +346,7 @@ def test_the_budgets_first_line_takes_at_most_two_rows_with_every_lever_and_a_re
     outcome = {
         "plan": plan,
         "shape": [4, 4096],
-        "measured": {"seconds": 3.25, "levers": {"refused": refused}},
+        "measured": {"seconds": 3.25, "levers": {"refused": refused}, "layers": [{}] * 12},
     }
     name = "Qwen2_5_VLForConditionalGeneration"
     line = f"gcpatch: rank 0 budget {name}: {planner._line(parse('0.5'), outcome, name)}"
