@@ -154,16 +154,19 @@ def readme_block(gc: dict) -> str:
     return (
         f"{README_START}\nProven on transformers {gc['transformers']} ({len(proven)} of {len(FAMILIES)}): "
         + ", ".join(proven)
-        + f". Details per input path: [docs/FAMILIES.md](docs/FAMILIES.md).\n{README_END}"
+        + f". Details per input path: [FAMILIES.md](FAMILIES.md).\n{README_END}"
     )
 
 
+USAGE = ROOT / "docs" / "USAGE.md"  # where the list of proven families stands
+
+
 def write_readme(gc: dict) -> None:
-    path = ROOT / "README.md"
+    path = USAGE
     text = path.read_text()
     start, end = text.find(README_START), text.find(README_END)
     if start == -1 or end == -1:
-        raise SystemExit(f"README.md lacks the markers {README_START!r} ... {README_END!r}")
+        raise SystemExit(f"{path} lacks the markers {README_START!r} ... {README_END!r}")
     path.write_text(text[:start] + readme_block(gc) + text[end + len(README_END) :])
 
 
@@ -188,4 +191,4 @@ if __name__ == "__main__":
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(render(gc_result, plain_result))
     write_readme(gc_result)
-    print(f"wrote {DOC} and README.md's family list")
+    print(f"wrote {DOC} and {USAGE}'s family list")

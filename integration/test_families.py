@@ -7,7 +7,7 @@ mode (saved bytes within 10% of train mode), on 5.x the enable leaves every conf
 `use_cache` as the user's (transformers' own model code drops the cache in a checkpointed training
 forward) and a training forward in eval mode leaves none on (R6 with R5 reaches `text_config` and
 T5's decoder copy; on 4.x R6 switches them at the enable), and no forward returns an empty cache where plain transformers returns a full one. The plain run shows the failures. docs/FAMILIES.md and the
-README's family list are rendered from these same two runs (`python integration/_families.py --write`).
+docs/USAGE.md's family list are rendered from these same two runs (`python integration/_families.py --write`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 from importlib import metadata
 
 import pytest
-from _families import DOC, FAMILIES, ROOT, readme_block, render
+from _families import DOC, FAMILIES, USAGE, readme_block, render
 from _run import V5, Spec
 
 SCRIPT = "families.py"
@@ -216,7 +216,6 @@ def test_family_table_doc_is_generated_from_these_runs(script_runs):
     assert text == render(gc.result, plain.result), (
         "docs/FAMILIES.md is stale: python integration/_families.py --write"
     )
-    readme = (ROOT / "README.md").read_text()
-    assert readme_block(gc.result) in readme, (
-        "README's family list is stale: python integration/_families.py --write"
+    assert readme_block(gc.result) in USAGE.read_text(), (
+        "docs/USAGE.md's family list is stale: python integration/_families.py --write"
     )
