@@ -65,8 +65,6 @@ def _decide_enable(call: EnableCall, ctx: context.DecisionContext, cfg: settings
         )
         votes = resolve.stance_votes(facts) + engine.host().votes(facts) + ctx.model.evidence
         decision = resolve.resolve(votes, cfg.mode)
-        if cfg.strict:  # before anything changes: the framework's enable has not run yet
-            _refuse_use_cache(facts, decision)
     except GcpatchError:
         raise
     except Exception as exc:  # noqa: BLE001 (fail open: the framework's enable as asked)
@@ -235,8 +233,6 @@ def _decide_first_forward(model: Any) -> None:
             )
         )
         decision = resolve.resolve(engine.host().votes(facts), cfg.mode)  # strict: R5 raises
-        if cfg.strict:
-            _refuse_use_cache(facts, decision)
         if not decision.winners and not decision.warnings:
             return
         applied: dict[str, Any] = {}
@@ -256,15 +252,6 @@ def _decide_first_forward(model: Any) -> None:
     except Exception as exc:  # noqa: BLE001 (fail open: the model as the framework left it)
         apply.reset(model)
         _failed_open(Stage.FIRST_FORWARD, exc, cfg)
-
-
-def _refuse_use_cache(facts: Any, decision: Any) -> None:
-    """Strict mode changes nothing on its own (docs/HOW-IT-WORKS.md, "Strict mode"): R6 raises
-    where a config has use_cache on."""
-    cache = decision.winners.get(USE_CACHE_OFF) if decision.values.get(USE_CACHE_OFF) else None
-    on = sorted(where for where, value in (facts.use_cache_configs or {}).items() if value)
-    if cache is not None and (on or (not facts.use_cache_configs and facts.use_cache)):
-        raise resolve.refusal(cache, f" on {', '.join(on) or 'config'}")
 
 
 def _refuse_unseen_hook(model: Any, facts: Any, decision: Any) -> None:

@@ -7,7 +7,7 @@ against the user's explicit choice wins in fix mode (with a warning), loses in w
 (with a warning) and raises in strict mode. Required votes that disagree are settled by the
 failure each avoids, and both reasons are recorded. Strict mode changes nothing on its own
 (docs/HOW-IT-WORKS.md, "Strict mode"): a rule that would change the model's state (R5, CK2) raises
-here; the other changes (the input-grads hook, use_cache, a call's rewrites) raise where they
+here; the other changes (the input-grads hook, a call's rewrites) raise where they
 would take effect (`refusal`, from gcpatch/pipeline.py and gcpatch/checkpoint_call.py).
 
 The outcome never depends on the order the votes arrive in (plugin order): votes are taken in
@@ -34,7 +34,6 @@ from gcpatch.schema import (
     RUN_INLINE,
     STRENGTH_ORDER,
     TUPLE_OUTPUTS,
-    USE_CACHE_OFF,
     USE_REENTRANT,
     USER,
     Decision,
@@ -80,10 +79,6 @@ CHANGES = MappingProxyType(
             " the checkpointed layers' first input requires grad (use_reentrant kept)",
             "call model.enable_input_require_grads() and pass inputs_embeds that require grad, or"
             " pass use_reentrant=False",
-        ),
-        USE_CACHE_OFF: (
-            "set use_cache=False",
-            "set use_cache=False on the model's config before training with checkpointing",
         ),
         LIFT_BOUND_TENSORS: (
             "pass the tensors bound into the checkpointed function (a partial's arguments or"

@@ -500,8 +500,14 @@ CASES = [
         _end_to_end(_r5),
         "model.train()",
     ),
+    # R6 switches off only what transformers switches off itself in every checkpointed training
+    # forward (4.35.2 models/llama/modeling_llama.py LlamaModel.forward, with a warning each
+    # time): the job runs as it would without gcpatch, so strict proceeds
     Case(
-        "R6", "remote-code style model, config.use_cache=True", _end_to_end(_r6), "use_cache=False"
+        "R6",
+        "remote-code style model, config.use_cache=True",
+        _end_to_end(_r6),
+        raises=False,
     ),
     Case(
         "CK1",
