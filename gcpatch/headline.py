@@ -69,8 +69,8 @@ def _rule(vote: dict[str, Any], default: str = "?") -> str:
 def line(entry: dict[str, Any], limit: int | None = LIMIT) -> str:
     """The line for one record (a decision, a checkpoint call site or a failure). Within `limit`
     where its actions fit: the other parts' reasons give way first, then the first part's reason
-    shortens to its first clause, then goes (its rule id stays); else it is wrapped into the
-    fewest rows, with as much of the first part's reason as they hold, never cut. `limit=None`
+    shortens to its first clause; where that does not fit one row, two rows keep that reason, and
+    where two cannot, it goes (its rule id stays): the fewest rows, never cut. `limit=None`
     (`gcpatch explain`): every part with its reason, on one line. Never raises on any record."""
     entry = _dict(entry)
     if "failed_open" in entry:
@@ -88,14 +88,16 @@ def line(entry: dict[str, Any], limit: int | None = LIMIT) -> str:
         return whole
     rest = [part[2] for part in parts[1:]]
     first = head + "; ".join([parts[0][0], *rest])
-    for text in (whole, first, head + "; ".join([parts[0][1], *rest])):
+    clause = head + "; ".join([parts[0][1], *rest])
+    for text in (whole, first, clause):
         if len(text) <= limit:
             return text
+    # the first change's reason is worth a second row; where two rows cannot hold it, it goes
+    for text in (first, clause):
+        if wrap(text, limit).count("\n") < 2:
+            return wrap(text, limit)
     bare = head + "; ".join(part[2] for part in parts)
-    if len(bare) <= limit:
-        return bare
-    # no one row holds every action: the fewest rows, with as much of the first reason as they hold
-    forms = [wrap(text, limit) for text in (first, head + "; ".join([parts[0][1], *rest]), bare)]
+    forms = [wrap(text, limit) for text in (first, clause, bare)]
     return min(forms, key=lambda text: text.count("\n"))
 
 

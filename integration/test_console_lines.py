@@ -135,9 +135,13 @@ def test_torchrun_two_ranks_print_each_line_once_and_record_both(tmp_path):
     )  # R4's re-decision
     # the user's reentrant, exact through the hook, stands until DDP(find_unused_parameters=True) wraps the
     # model: the rule acting there is R4, and its line credits it (not R1 a second time)
+    # the user asked for reentrant: R4 over that ask, its reason and how to keep the ask on one
+    # line (wrapped into a second row where one row cannot hold them)
     assert len(lines) == 2 and lines[1].startswith(
-        "gcpatch: LlamaForCausalLM (DDP): use_reentrant True -> False (R4: "
+        "gcpatch: LlamaForCausalLM (DDP): R4 overrules your use_reentrant=True -> False ("
     ), "\n".join(lines)
+    whole = " ".join(m for m in run.messages() if m.startswith(lines[1]))
+    assert "processes would crash" in whole and "GCPATCH_MODE=warn keeps it" in whole, whole
     assert "decided differently" not in run.stderr
 
 
@@ -159,7 +163,7 @@ def test_torchrun_redecision_at_ddp_wrap_is_said_once(tmp_path):
     run = _run(tmp_path, "torchrun-r4", argv)
     lines = assert_each_decision_said_once(run, 2)
     assert any(
-        line.startswith("gcpatch: LlamaForCausalLM (DDP): use_reentrant True -> False (R4: ")
+        line.startswith("gcpatch: LlamaForCausalLM (DDP): R4 overrules your use_reentrant=True")
         for line in lines
     ), "\n".join(lines)
 

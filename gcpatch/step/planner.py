@@ -290,7 +290,11 @@ def _line(chosen: budget_mod.Budget, outcome: dict, prefix: str = "") -> str:
     source = f" at {rows} x {tokens} tokens" if rows else ""
     modes = plan.get("modes") or []
     levered = sum(1 for mode in modes if mode not in (solver.PLAIN, solver.FULL))
-    kept = (selective.kept_text(modes), f" ({levered} with a lever)" if levered else "")
+    kept = (
+        selective.kept_text(modes),
+        selective.kept_text(modes, brief=True),
+        f" ({levered} with a lever)" if levered else "",
+    )
     if plan["below_floor"]:
         head = (
             f"memory budget {chosen.text} ({size(plan['limit_bytes'])}) is below the floor of full"
@@ -298,7 +302,10 @@ def _line(chosen: budget_mod.Budget, outcome: dict, prefix: str = "") -> str:
             f" {size(plan['plain_bytes'])} without checkpointing): all {plan['layers']} layers"
             f" checkpointed{handed}"
         )
-        return _fit(prefix, head, [(source, ""), kept, _cost_text(outcome)])
+        # what gives way first: the shape, the measuring's words, the levers' names
+        return _fit(
+            prefix, head, [(kept, (2, 3)), ((source, ""), (0,)), (_cost_text(outcome), (1,))]
+        )
     full = plan["full_recompute_s"] or 1.0
     every = (
         f", every_n_layers={plan['every_n_layers']}"
@@ -310,30 +317,35 @@ def _line(chosen: budget_mod.Budget, outcome: dict, prefix: str = "") -> str:
         f" checkpointed{handed}"
     )
     exact = plan.get("exact", True)
-    greedy = "" if exact else " (greedy)"
-    kept = (kept[0] + solver.search_text(exact), kept[1].replace(")", ", greedy)") or greedy)
     figures = (
         f"; holds {size(plan['planned_bytes'])}, {plan['planned_bytes'] / plain:.0%} of"
         f" {size(plan['plain_bytes'])} without checkpointing (full checkpointing"
         f" {plan['floor_bytes'] / plain:.0%}); recompute {plan['recompute_s'] / full:.0%} of full"
         " checkpointing's"
     )
-    parts = [(every, ""), (source, ""), kept, ("", ""), _refused_text(outcome)]
-    parts[3] = (
-        figures,
-        figures.replace(" without checkpointing (full checkpointing", " (full").replace(
-            " of full checkpointing's", " of full's"
-        ),
-    )
-    return _fit(prefix, head, [*parts, _cost_text(outcome)])
+    short = figures.replace(" without checkpointing (full checkpointing", " (full")
+    # in the line's order; the number is when each gives way to its short form: the layer
+    # pattern, the shape, the search's words, the figures', the measuring's, the refusals', and
+    # the levers' names last
+    parts = [
+        ((every, ""), (0,)),
+        (kept, (5, 7)),
+        ((solver.search_text(exact), "" if exact else " (greedy)"), (2,)),
+        ((source, ""), (1,)),
+        ((figures, short.replace(" of full checkpointing's", " of full's")), (3,)),
+        (_refused_text(outcome), (6,)),
+        (_cost_text(outcome), (4,)),
+    ]
+    return _fit(prefix, head, parts)
 
 
-def _fit(prefix: str, head: str, parts: list[tuple[str, str]], tail: str = "") -> str:
-    """`head`, then each of `parts` (its full and its short form), then `tail`, within two terminal
-    rows: the parts take their short form in turn, first to last, until the line fits; all of it
-    stays in the record's details (`gcpatch explain -v`)."""
-    for short in range(len(parts) + 1):
-        line = head + "".join(p[1] if i < short else p[0] for i, p in enumerate(parts)) + tail
+def _fit(prefix: str, head: str, parts: list[tuple[tuple[str, ...], tuple[int, ...]]]) -> str:
+    """`head`, then `parts` within two terminal rows. Each part is its forms, longest first, and
+    the steps at which it gives way to the next: step by step the parts shorten until the line
+    fits; all of it stays in the record's details (`gcpatch explain -v`)."""
+    steps = max((n for _, at in parts for n in at), default=-1) + 2
+    for step in range(steps):
+        line = head + "".join(forms[sum(n < step for n in at)] for forms, at in parts)
         if len(headline.wrap(f"gcpatch: rank 0 budget {prefix}: {line}").splitlines()) <= 2:
             break
     return line

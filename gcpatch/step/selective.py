@@ -58,6 +58,7 @@ class Lever(NamedTuple):
     name: str  # in `gcpatch explain`
     says: str  # after a count of layers, in the plan's line
     idle: str = "saved nothing"  # after its name, where it did not fire
+    brief: str = ""  # `says` in short, where the plan's line needs the room
 
 
 class Timed(NamedTuple):
@@ -68,9 +69,14 @@ class Timed(NamedTuple):
 
 
 LEVERS = {
-    KEEP_MATMULS: Lever(matmul_ops, "keeping the matmuls", "keeping their matmuls"),
+    KEEP_MATMULS: Lever(
+        matmul_ops, "keeping the matmuls", "keeping their matmuls", brief="matmuls kept"
+    ),
     KEEP_ATTENTION: Lever(
-        attention_ops, "keeping the attention output", "keeping their attention output"
+        attention_ops,
+        "keeping the attention output",
+        "keeping their attention output",
+        brief="attention kept",
     ),
 }
 
@@ -103,21 +109,30 @@ class Keep:
 
 # what the plan's line and `gcpatch explain` call offloading and the feed-forward block's lever
 OFFLOADING = Lever(
-    lambda torch: frozenset(), "offloading the inputs", "offloading their inputs", "moved nothing"
+    lambda torch: frozenset(),
+    "offloading the inputs",
+    "offloading their inputs",
+    "moved nothing",
+    "offloaded",
 )
 SPLITTING = Lever(
     lambda torch: frozenset(),
     "checkpointing the feed-forward block alone",
     "checkpointing their feed-forward block alone",
     "saw no call of the block",
+    "MLP alone",
 )
 NAMED = {**LEVERS, FEED_FORWARD: SPLITTING, OFFLOAD: OFFLOADING}
 
 
-def kept_text(modes: list[str]) -> str:
+def kept_text(modes: list[str], brief: bool = False) -> str:
     """How a plan's line names its selective and offloaded layers: " (2 keeping their matmuls)",
-    or ""."""
-    parts = [f"{modes.count(lever)} {NAMED[lever].says}" for lever in NAMED if lever in modes]
+    or "" (`brief`: " (2 matmuls kept)")."""
+    parts = [
+        f"{modes.count(lever)} {NAMED[lever].brief if brief else NAMED[lever].says}"
+        for lever in NAMED
+        if lever in modes
+    ]
     return f" ({', '.join(parts)})" if parts else ""
 
 

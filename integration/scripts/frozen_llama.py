@@ -50,7 +50,11 @@ def main() -> None:
             )
             return
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    loss = loss_and_backward(model, ids, embeds)
+    try:
+        loss = loss_and_backward(model, ids, embeds)
+    except Exception as exc:  # report, do not hide (strict mode raises in the step)
+        c.emit({"scenario": "frozen_llama", "error": f"{type(exc).__name__}: {exc}"[:600]})
+        return
     got = c.trainable_grads(model)
 
     c.emit(

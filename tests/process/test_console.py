@@ -183,10 +183,10 @@ def test_headline_says_what_changed_and_the_rule_within_120_characters():
     long_source = headline.line(
         _entry(source="DDP(find_unused_parameters=True) (R4)", model="/a/b/tiny/")
     )
-    # one row holds every action once the reasons give way, their rule ids kept
-    assert long_source == (
-        "gcpatch: tiny (DDP): use_reentrant True -> False (R1); input-grads hook (R2); 2 eval-mode"
-        " layers checkpoint anyway (R5)"
+    # one row holds every action once the reasons give way; two rows keep the first change's
+    assert headline.unwrap(long_source) == (
+        "gcpatch: tiny (DDP): use_reentrant True -> False (R1: frozen upstream); input-grads hook"
+        " (R2); 2 eval-mode layers checkpoint anyway (R5)"
     ), long_source
     no_short = _entry()
     no_short["decision"]["winners"]["use_reentrant"].pop("short")

@@ -161,7 +161,7 @@ def test_every_rendered_decision_line_keeps_its_actions_and_is_never_cut():
             assert len(rows) <= headline.wrap(whole).count("\n") + 1, short
             first = whole[len(_head(whole)) :].split("; ")[0].replace(" ", "")
             kept += said[len(_head(said)) :].replace(" ", "").startswith(first)
-    assert shortened > 50 and wrapped > 50  # the check has something to check either way
+    assert shortened > 10 and wrapped > 50  # the check has something to check either way
     assert kept > 50  # mostly, the first part's reason fits the rows the actions take anyway
 
 
@@ -205,7 +205,6 @@ def test_a_warning_about_a_config_names_the_model_by_its_last_path_part():
     entry["decision"]["warnings"] = ["R1 overrules use_reentrant=True; the user asked for it"]
     assert headline.warnings(entry) == []  # said by the line
     said = "gcpatch: tiny (PeftModelForCausalLM): R1 overrules your use_reentrant=True -> False"
-    assert headline.line(entry) == said + " (GCPATCH_MODE=warn keeps it)"  # its reason given up
-    assert headline.line(entry, limit=None) == (
-        said + " (frozen upstream of 4 blocks; GCPATCH_MODE=warn keeps it)"
-    )
+    whole = said + " (frozen upstream of 4 blocks; GCPATCH_MODE=warn keeps it)"
+    assert headline.line(entry, limit=None) == whole
+    assert headline.unwrap(headline.line(entry)) == whole  # two rows keep its reason

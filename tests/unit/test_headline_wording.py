@@ -68,11 +68,14 @@ def test_a_rule_over_the_users_ask_is_one_line_that_says_how_to_keep_it():
     (GCPATCH_MODE=warn keeps it)`."""
     entry = _call("asked at the call")
     said = "gcpatch: checkpoint call at model.py:12: CK1 overrules your use_reentrant=True -> False"
-    assert headline.line(entry) == said + " (GCPATCH_MODE=warn keeps it)"  # the reason gave way
-    assert headline.line(entry, limit=None) == (
-        said + " (no input requires grad: parameters inside would get none;"
-        " GCPATCH_MODE=warn keeps it)"
+    whole = (
+        said
+        + " (no input requires grad: parameters inside would get none; GCPATCH_MODE=warn keeps it)"
     )
+    assert headline.line(entry, limit=None) == whole
+    # one row cannot hold it with its reason: two rows do, the reason kept, nothing cut
+    rows = headline.line(entry).split("\n")
+    assert len(rows) == 2 and headline.unwrap("\n".join(rows)) == whole, rows
     assert headline.warnings(entry) == [] and headline.level(entry) == logging.WARNING
 
 
