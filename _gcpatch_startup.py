@@ -80,20 +80,19 @@ def set_variables():
 
 
 class UnusedWatcher:
-    """Waits, like FrameworkWatcher, for the first framework import of a process where gcpatch is
-    off, to say once that its GCPATCH_* variables do nothing (unless gcpatch was imported since)."""
+    """Waits, like FrameworkWatcher, for the first framework import of a process where GCPATCH is
+    unset, to say once that its GCPATCH_* variables do nothing (unless gcpatch was imported since:
+    `import gcpatch` sets GCPATCH). GCPATCH=0 switched gcpatch off on purpose: nothing is said."""
 
     def find_spec(self, fullname, path=None, target=None):
         if path is not None or fullname not in TRIGGERS:
             return None
         sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, UnusedWatcher)]
-        switch = os.environ.get("GCPATCH")
         names = set_variables()
-        if names and (switch or "").strip().lower() in _OFF and _local_rank_zero():
-            why = "GCPATCH unset" if switch is None else f"GCPATCH={switch}"
+        if names and "GCPATCH" not in os.environ and _local_rank_zero():
             verbs = "are set but do" if len(names) > 1 else "is set but does"
             sys.stderr.write(
-                f"gcpatch: {', '.join(names)} {verbs} nothing: gcpatch is off ({why}); set"
+                f"gcpatch: {', '.join(names)} {verbs} nothing: gcpatch is off (GCPATCH unset); set"
                 " GCPATCH=1 or `import gcpatch`\n"
             )
         return None
@@ -108,10 +107,15 @@ def _local_rank_zero():
 
 def bootstrap():
     """Activate gcpatch when GCPATCH asks for it. Idempotent (the .pth line can run twice in a
-    venv whose lib64 links to lib) and never raises into the host. Off, with GCPATCH_* variables
-    set: one line at the first framework import says they do nothing."""
+    venv whose lib64 links to lib) and never raises into the host. Unset, with GCPATCH_*
+    variables set: one line at the first framework import says they do nothing."""
     if os.environ.get("GCPATCH", "").strip().lower() in _OFF:
-        if set_variables() and not any(isinstance(f, UnusedWatcher) for f in sys.meta_path):
+        unset = "GCPATCH" not in os.environ
+        if (
+            unset
+            and set_variables()
+            and not any(isinstance(f, UnusedWatcher) for f in sys.meta_path)
+        ):
             sys.meta_path.insert(0, UnusedWatcher())
         return
     try:

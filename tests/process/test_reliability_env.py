@@ -109,31 +109,25 @@ def test_a_bad_gcpatch_switch_says_it_stays_off(tmp_path, value):
 IMPORTS_TORCH = "import torch\nprint('RESULT {}')"
 
 
-@pytest.mark.parametrize(
-    "switch, said",
-    [
-        (None, "GCPATCH unset"),
-        ("0", "GCPATCH=0"),
-    ],
-)
-def test_variables_set_while_gcpatch_is_off_get_one_line_at_the_first_framework_import(
-    tmp_path, switch, said
+def test_variables_set_while_gcpatch_is_unset_get_one_line_at_the_first_framework_import(
+    tmp_path,
 ):
-    """The start-up file already reads GCPATCH: with gcpatch off, the other GCPATCH_* variables
+    """The start-up file already reads GCPATCH: with it unset, the other GCPATCH_* variables
     protect nothing, which one line says once a framework is imported (nothing before, so a
-    `pip` or a plain script pays no more than the environment's look-up)."""
+    `pip` or a plain script pays no more than the environment's look-up). GCPATCH=0 switched
+    gcpatch off on purpose (a comparison run, say): nothing is said."""
     env = {"GCPATCH_MEMORY_BUDGET": "0.5", "GCPATCH_VERIFY": "1"}
-    if switch is not None:
-        env["GCPATCH"] = switch
     proc = run(IMPORTS_TORCH, tmp_path, **env)
     lines = [line for line in messages(proc.stderr) if line.startswith("gcpatch:")]
     assert results(proc) == [{}], proc.stderr
     assert lines == [
         "gcpatch: GCPATCH_MEMORY_BUDGET, GCPATCH_VERIFY are set but do nothing: gcpatch is off"
-        f" ({said}); set GCPATCH=1 or `import gcpatch`"
+        " (GCPATCH unset); set GCPATCH=1 or `import gcpatch`"
     ], proc.stderr
     quiet = run("print('RESULT {}')", tmp_path, **env)  # no framework: nothing said
     assert results(quiet) == [{}] and "gcpatch" not in quiet.stderr, quiet.stderr
+    off = run(IMPORTS_TORCH, tmp_path, GCPATCH="0", **env)
+    assert results(off) == [{}] and "gcpatch" not in off.stderr, off.stderr
 
 
 def test_no_line_once_the_script_switches_gcpatch_on_or_only_the_tools_variables_are_set(tmp_path):
