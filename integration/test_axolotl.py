@@ -221,7 +221,9 @@ def test_decision_lines_show_on_axolotl_console(ax_runs):
     lines = [line for line in run.stderr.splitlines() if line.startswith("gcpatch: ")]
     assert "gcpatch: LlamaForCausalLM: use_reentrant=False as asked" in lines, tail(run)
     assert all(len(line) <= 120 for line in lines) and len(lines) == len(set(lines)), lines
-    overrule = "gcpatch: tiny (config): R1 overrules your use_reentrant=True -> False (partly frozen"
+    overrule = (
+        "gcpatch: tiny (config): R1 overrules your use_reentrant=True -> False (partly frozen"
+    )
     both = (run.stdout + "\n" + run.stderr).splitlines()
     shown = [line for line in both if overrule in line]
     assert len(shown) == 1 and "[WARNING] [gcpatch]" in shown[0], tail(run)  # once, Axolotl's
