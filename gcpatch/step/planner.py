@@ -317,6 +317,9 @@ def _line(chosen: budget_mod.Budget, outcome: dict, prefix: str = "") -> str:
         f" checkpointed{handed}"
     )
     exact = plan.get("exact", True)
+    greedy = ("", "", "") if exact else (solver.search_text(exact), " (greedy)", "")
+    if not exact and kept[2]:  # the shortest form says both in one bracket
+        kept = (*kept[:2], kept[2].replace(")", ", greedy)"))
     figures = (
         f"; holds {size(plan['planned_bytes'])}, {plan['planned_bytes'] / plain:.0%} of"
         f" {size(plan['plain_bytes'])} without checkpointing (full checkpointing"
@@ -330,7 +333,7 @@ def _line(chosen: budget_mod.Budget, outcome: dict, prefix: str = "") -> str:
     parts = [
         ((every, ""), (0,)),
         (kept, (5, 7)),
-        ((solver.search_text(exact), "" if exact else " (greedy)"), (2,)),
+        (greedy if kept[2] else greedy[:2], (2, 7) if kept[2] else (2,)),
         ((source, ""), (1,)),
         ((figures, short.replace(" of full checkpointing's", " of full's")), (3,)),
         (_refused_text(outcome), (6,)),
