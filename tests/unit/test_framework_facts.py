@@ -22,7 +22,7 @@ def plugin(name: str):
     return importlib.import_module(f"gcpatch_plugins.{name}")
 
 
-class _AsInstalled:
+class AsInstalled:
     """A built-in plugin as if its framework were installed: these tests are about the decision,
     and the fast suite runs where deepspeed is not installed."""
 
@@ -48,7 +48,7 @@ class _AsInstalled:
 def _host(*names: str) -> PluginHost:
     host = PluginHost()
     for name in names:
-        host.add(_AsInstalled(plugin(name)), name)
+        host.add(AsInstalled(plugin(name)), name)
     return host
 
 

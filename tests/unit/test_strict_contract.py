@@ -29,6 +29,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from test_framework_facts import AsInstalled  # noqa: E402
+from test_plugin_votes import PLUGINS  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils import checkpoint as torch_checkpoint  # noqa: E402
 from transformers import (  # noqa: E402
@@ -42,21 +44,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E40
 from gcpatch import apply, decisions, engine, resolve  # noqa: E402
 from gcpatch import facts as facts_mod  # noqa: E402
 from gcpatch.errors import GcpatchError  # noqa: E402
-from gcpatch.hookspecs import hookimpl  # noqa: E402
 from gcpatch.manager import PluginHost  # noqa: E402
 from gcpatch.schema import INPUT_GRADS_HOOK, USE_REENTRANT, Stage  # noqa: E402
 
-PLUGINS = (
-    "transformers",
-    "peft",
-    "trl",
-    "deepspeed",
-    "ddp",
-    "axolotl",
-    "colossalai",
-    "torch_checkpoint",
-    "fsdp",
-)
 DIM, VOCAB = 16, 64
 
 
@@ -274,29 +264,11 @@ def ck2_call(net, block, h, bias):  # a checkpoint inside a checkpoint's functio
 # -- facts-level decisions (frameworks and launchers that cannot run in this process) -----------
 
 
-class _AsInstalled:
-    """A built-in plugin as if its framework were installed (deepspeed, axolotl, colossalai are not
-    here): its own vote function, on the facts given."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-
-    @hookimpl
-    def gcpatch_plugin_info(self):
-        return dataclasses.replace(
-            self.module.gcpatch_plugin_info(), framework="pluggy", versions=">=0", proven=""
-        )
-
-    @hookimpl
-    def gcpatch_vote(self, facts):
-        return self.module.gcpatch_vote(facts)
-
-
 def decide_facts(mode: str, facts: Any) -> Any:
     host = PluginHost(strict=mode == "strict")
     for name in PLUGINS:
         if name != "torch_checkpoint":
-            host.add(_AsInstalled(_plugin(name)), name)
+            host.add(AsInstalled(_plugin(name)), name)
     return resolve.resolve(resolve.stance_votes(facts) + host.votes(facts), mode)
 
 
