@@ -18,9 +18,12 @@ from testkit import harness
 
 
 def child_env(gcpatch: bool, **extra: str) -> dict[str, str]:
-    """The environment of every child (tests/kit/testkit/harness.py: no caller GCPATCH*, offline, one thread,
-    quiet), with gcpatch switched on or off."""
-    return harness.child_env(quiet=True, GCPATCH="1" if gcpatch else "0", **extra)
+    """The environment of every child (tests/kit/testkit/harness.py: no caller GCPATCH*, offline,
+    quiet), one OpenMP thread (a benchmark times: the harness leaves threads to the caller), with
+    gcpatch switched on or off."""
+    return harness.child_env(
+        quiet=True, GCPATCH="1" if gcpatch else "0", **{"OMP_NUM_THREADS": "1", **extra}
+    )
 
 
 def run_worker(

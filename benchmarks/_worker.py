@@ -175,23 +175,57 @@ def _layers(model):
 def task_case(args: dict) -> dict:
     """One or more set-ups. Every hand variant of every set-up is built and measured before
     gcpatch is imported; then gcpatch's variants; then the interleaved steps, set-up by set-up."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    case = _Case(args)
+    names = args["setups"]
+    setups = {name: SETUPS[name] for name in names}
+    models: dict[str, dict] = {name: {} for name in names}
+    out: dict[str, dict] = {name: {} for name in names}
+    for name, setup in setups.items():
+        variants = ["none", "plain", "hand-R", "hand-NR"]
+        if setup["mode"] == "eval":
+            variants += ["hand-train-R", "hand-train-NR"]
+        for variant in variants:
+            models[name][variant] = model = case.build(setup, variant)
+            out[name][variant] = _measure(variant, model, case.forward_of(setup))
 
-    if args.get("threads"):
-        torch.set_num_threads(int(args["threads"]))
-    torch.manual_seed(0)
-    config = LlamaConfig(**args["model"])
-    base = LlamaForCausalLM(config)
-    batch, seq = int(args["batch"]), int(args["seq"])
-    input_ids = torch.randint(0, config.vocab_size, (batch, seq))
-    # Features from a frozen encoder, computed once (a VLM's projected image and text tokens).
-    with torch.no_grad():
-        features = base.get_input_embeddings()(input_ids).clone()
-    v5 = hasattr(base, "activation_checkpointing_enable")
+    t0 = time.perf_counter()
+    import gcpatch  # starts the engine now: transformers is imported already
 
-    def build(setup: dict, variant: str):
-        model = copy.deepcopy(base)
+    import_gcpatch_ms = (time.perf_counter() - t0) * 1000
+    results = []
+    for name, setup in setups.items():
+        results.append(_with_gcpatch(gcpatch, case, name, setup, models[name], out[name]))
+    return {
+        "cases": results,
+        "threads": case.torch.get_num_threads(),
+        "import_gcpatch_ms": import_gcpatch_ms,
+        "params": sum(p.numel() for p in case.base.parameters()),
+        "attn": getattr(case.config, "_attn_implementation", None),
+    }
+
+
+class _Case:
+    """The model every variant copies and the batch every step runs, and how a variant is built."""
+
+    def __init__(self, args: dict) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        if args.get("threads"):
+            torch.set_num_threads(int(args["threads"]))
+        torch.manual_seed(0)
+        self.torch, self.args = torch, args
+        self.config = LlamaConfig(**args["model"])
+        self.base = LlamaForCausalLM(self.config)
+        batch, seq = int(args["batch"]), int(args["seq"])
+        self.input_ids = torch.randint(0, self.config.vocab_size, (batch, seq))
+        # Features from a frozen encoder, computed once (a VLM's projected image and text tokens).
+        with torch.no_grad():
+            self.features = self.base.get_input_embeddings()(self.input_ids).clone()
+        self.v5 = hasattr(self.base, "activation_checkpointing_enable")
+
+    def build(self, setup: dict, variant: str):
+        model = copy.deepcopy(self.base)
         for name, param in model.named_parameters():
             param.requires_grad_(
                 setup["train"] == "all" or name.endswith(("q_proj.weight", "v_proj.weight"))
@@ -208,7 +242,7 @@ def task_case(args: dict) -> dict:
             kwargs = None if setup["ask"] is None else {"use_reentrant": setup["ask"]}
         else:
             kwargs = {"use_reentrant": variant.endswith("-R")}
-        if v5:
+        if self.v5:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -216,137 +250,124 @@ def task_case(args: dict) -> dict:
             _inputs_require_grad(model)  # reentrant made exact by hand, as gcpatch's R2 hook does
         return model
 
-    def forward_of(setup: dict):
+    def forward_of(self, setup: dict):
+        input_ids, features = self.input_ids, self.features
         if setup["feed"] == "inputs_embeds":
             return lambda model: model(inputs_embeds=features, labels=input_ids).loss
         return lambda model: model(input_ids=input_ids, labels=input_ids).loss
 
-    def measure(variant: str, model, forward) -> dict:
-        counter = SavedBytes(model)
-        boundary = 0
-        handles = []
-        if variant == "none":  # tag what is saved inside the layers, and what enters them
 
-            def pre(module, inputs):
-                nonlocal boundary
-                counter.inside += 1
-                boundary += sum(
-                    t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)
-                )
-
-            def post(module, inputs, output):
-                counter.inside -= 1
-
-            for layer in _layers(model):
-                handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
-        error = None
-        with counter.ctx:
-            loss = forward(model)
-        for handle in handles:
-            handle.remove()
-        try:
-            loss.backward()
-        except RuntimeError as exc:  # reentrant with no input requiring grad: nothing trains
-            error = str(exc).splitlines()[0]
-        result = {
-            "packed": counter.packed,
-            "unique": counter.unique,
-            "saved_tensors": counter.count,
-            "error": error,
-            "hooks": _hook_count(model),
-        }
-        if variant == "none":
-            result.update(
-                floor_packed=counter.packed_outside + boundary,
-                boundary=boundary,
-                outside=counter.packed_outside,
-            )
-        return result
-
-    names = args["setups"]
-    setups = {name: SETUPS[name] for name in names}
-    models: dict[str, dict] = {name: {} for name in names}
-    out: dict[str, dict] = {name: {} for name in names}
-    for name, setup in setups.items():
-        variants = ["none", "plain", "hand-R", "hand-NR"]
-        if setup["mode"] == "eval":
-            variants += ["hand-train-R", "hand-train-NR"]
-        for variant in variants:
-            models[name][variant] = model = build(setup, variant)
-            out[name][variant] = measure(variant, model, forward_of(setup))
-
-    t0 = time.perf_counter()
-    import gcpatch  # starts the engine now: transformers is imported already
-
-    import_gcpatch_ms = (time.perf_counter() - t0) * 1000
-    results = []
-    for name, setup in setups.items():
-        before = len(gcpatch.decisions())
-        models[name]["gcpatch"] = model = build(setup, "gcpatch")
-        out[name]["gcpatch"] = measure("gcpatch", model, forward_of(setup))
-        applied: dict = {}
-        rules: list = []
-        for entry in gcpatch.decisions()[before:]:
-            applied.update(entry.get("applied", {}))
-            rules += [r for r in entry.get("rules", []) if r not in rules]
-        out[name]["gcpatch"].update(applied=applied, rules=rules)
-
-        # Gradient correctness against the same set-up without checkpointing.
-        ref = {n: p.grad for n, p in models[name]["none"].named_parameters() if p.requires_grad}
-        for variant, model in models[name].items():
-            bad = sum(
-                1
-                for n, p in model.named_parameters()
-                if p.requires_grad
-                and (p.grad is None or not torch.allclose(p.grad, ref[n], rtol=1e-4, atol=1e-6))
-            )
-            out[name][variant].update(
-                wrong_grads=bad,
-                trainable=len(ref),
-                correct=bad == 0 and out[name][variant]["error"] is None,
-            )
-
-        # gcpatch's use_reentrant made by hand: the variant its step time is compared with.
-        choice = "R" if applied.get("use_reentrant") else "NR"
-        same = f"hand-train-{choice}" if applied.get("eval_mode_fix") else f"hand-{choice}"
-        other = f"hand-{'NR' if choice == 'R' else 'R'}"
-        timed = ["gcpatch", same]
-        if setup["mode"] == "train" and out[name][other]["correct"]:
-            timed.append(other)  # reentrant vs non-reentrant, where both are correct
-        if setup["mode"] == "eval":
-            timed.append("plain")  # what the eval-mode user runs without gcpatch
-        elif name == "full":
-            timed.append("none")  # what checkpointing itself costs
-        steps = _interleaved_steps(
-            {v: models[name][v] for v in timed},
-            forward_of(setup),
-            int(args["warmup"]),
-            int(args["steps"]),
-        )
-        results.append(
-            {
-                "setup": name,
-                "label": setup["label"],
-                "ask": setup["ask"],
-                "mode": setup["mode"],
-                "variants": out[name],
-                "same_choice": same,
-                "other_choice": other if other in timed else None,
-                "step_s": steps,
-                "trainable_params": sum(
-                    p.numel() for p in models[name]["gcpatch"].parameters() if p.requires_grad
-                ),
-            }
-        )
-        for variant in timed:  # free the optimiser-trained copies before the next set-up
-            models[name][variant] = None
-    return {
-        "cases": results,
-        "threads": torch.get_num_threads(),
-        "import_gcpatch_ms": import_gcpatch_ms,
-        "params": sum(p.numel() for p in base.parameters()),
-        "attn": getattr(config, "_attn_implementation", None),
+def _measure(variant: str, model, forward) -> dict:
+    counter = SavedBytes(model)
+    boundary = [0]
+    handles = _tag_layers(model, counter, boundary) if variant == "none" else []
+    error = None
+    with counter.ctx:
+        loss = forward(model)
+    for handle in handles:
+        handle.remove()
+    try:
+        loss.backward()
+    except RuntimeError as exc:  # reentrant with no input requiring grad: nothing trains
+        error = str(exc).splitlines()[0]
+    result = {
+        "packed": counter.packed,
+        "unique": counter.unique,
+        "saved_tensors": counter.count,
+        "error": error,
+        "hooks": _hook_count(model),
     }
+    if variant == "none":
+        result.update(
+            floor_packed=counter.packed_outside + boundary[0],
+            boundary=boundary[0],
+            outside=counter.packed_outside,
+        )
+    return result
+
+
+def _tag_layers(model, counter: SavedBytes, boundary: list) -> list:
+    """Hooks that tag what is saved inside the layers, and add up what enters them."""
+    import torch
+
+    def pre(module, inputs):
+        counter.inside += 1
+        boundary[0] += sum(
+            t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)
+        )
+
+    def post(module, inputs, output):
+        counter.inside -= 1
+
+    handles = []
+    for layer in _layers(model):
+        handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+    return handles
+
+
+def _with_gcpatch(gcpatch, case: _Case, name: str, setup: dict, models: dict, out: dict) -> dict:
+    """gcpatch's variant of one set-up, every variant's gradients checked, and the steps timed."""
+    before = len(gcpatch.decisions())
+    models["gcpatch"] = model = case.build(setup, "gcpatch")
+    out["gcpatch"] = _measure("gcpatch", model, case.forward_of(setup))
+    applied: dict = {}
+    rules: list = []
+    for entry in gcpatch.decisions()[before:]:
+        applied.update(entry.get("applied", {}))
+        rules += [r for r in entry.get("rules", []) if r not in rules]
+    out["gcpatch"].update(applied=applied, rules=rules)
+    _check_grads(case.torch, models, out)
+
+    # gcpatch's use_reentrant made by hand: the variant its step time is compared with.
+    choice = "R" if applied.get("use_reentrant") else "NR"
+    same = f"hand-train-{choice}" if applied.get("eval_mode_fix") else f"hand-{choice}"
+    other = f"hand-{'NR' if choice == 'R' else 'R'}"
+    timed = ["gcpatch", same]
+    if setup["mode"] == "train" and out[other]["correct"]:
+        timed.append(other)  # reentrant vs non-reentrant, where both are correct
+    if setup["mode"] == "eval":
+        timed.append("plain")  # what the eval-mode user runs without gcpatch
+    elif name == "full":
+        timed.append("none")  # what checkpointing itself costs
+    steps = _interleaved_steps(
+        {v: models[v] for v in timed},
+        case.forward_of(setup),
+        int(case.args["warmup"]),
+        int(case.args["steps"]),
+    )
+    result = {
+        "setup": name,
+        "label": setup["label"],
+        "ask": setup["ask"],
+        "mode": setup["mode"],
+        "variants": out,
+        "same_choice": same,
+        "other_choice": other if other in timed else None,
+        "step_s": steps,
+        "trainable_params": sum(
+            p.numel() for p in models["gcpatch"].parameters() if p.requires_grad
+        ),
+    }
+    for variant in timed:  # free the optimiser-trained copies before the next set-up
+        models[variant] = None
+    return result
+
+
+def _check_grads(torch, models: dict, out: dict) -> None:
+    """Gradient correctness against the same set-up without checkpointing."""
+    ref = {n: p.grad for n, p in models["none"].named_parameters() if p.requires_grad}
+    for variant, model in models.items():
+        bad = sum(
+            1
+            for n, p in model.named_parameters()
+            if p.requires_grad
+            and (p.grad is None or not torch.allclose(p.grad, ref[n], rtol=1e-4, atol=1e-6))
+        )
+        out[variant].update(
+            wrong_grads=bad,
+            trainable=len(ref),
+            correct=bad == 0 and out[variant]["error"] is None,
+        )
 
 
 def _inputs_require_grad(model) -> None:

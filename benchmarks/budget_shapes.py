@@ -9,15 +9,19 @@ A 12-layer Llama (hidden 64, eager attention, batch 2), token counts drawn from 
 and padded to a multiple of 32,
 under GCPATCH_MEMORY_BUDGET=0.5 and under an absolute size (half of what a 512-token step holds
 without checkpointing). The real path: the variable set, the user's own enable and loop; gcpatch
-measures the model at the first step and plans every later step by its shape. Per step:
+probes the first step (run fully checkpointed), builds its cost model from it, and plans every
+later step by its shape from that model. Per step:
   held      what the forward holds for its backward (gcpatch/step/held.py's instrument)
-  limit     0.5 x that step's own bytes without checkpointing (measured), or the size
+  limit     0.5 x that step's own bytes without checkpointing, or the size
   oracle    the least recompute any per-layer plan meeting that limit has, from the step's own
-            costs measured exactly at its shape (every layer's bytes plain and checkpointed, and
-            its forward seconds), solved exactly (gcpatch/step/solver.py)
-  recompute the seconds of the layers gcpatch's plan checkpoints, by the same measured costs
+            costs measured exactly at its shape: the probe gcpatch runs on the first step
+            (gcpatch/step/probe.py) run here on a twin of the model at every shape (once per
+            shape, in this process, not in the user's job), its cost model read at that very
+            shape (bytes plain and under each lever, recompute seconds), solved by
+            gcpatch/step/solver.py
+  recompute the seconds gcpatch's plan recomputes, priced by the same exact costs
 Planning time: the pre-hook's own time per step (a seen shape: a cache lookup; a new shape: the
-cost model and the solver), timed around the hook, over the steps of each kind.
+cost model read at it and the solver), timed around the hook, over the steps of each kind.
 """
 
 from __future__ import annotations
@@ -74,45 +78,84 @@ def batch(tokens: int):
     return torch.randint(0, VOCAB, (BATCH, tokens), generator=gen)
 
 
-def true_costs(m, ids) -> tuple[list, float]:
-    """Every layer's cost measured exactly at this shape (no model): bytes plain and checkpointed
-    from one plain forward, seconds from a no-grad pass."""
-    import torch
-
-    from gcpatch.step import invisible
-    from gcpatch.step.held import OUTSIDE, Held
-    from gcpatch.step.layer_costs import _averaged, _sync, _time_layers
-    from gcpatch.step.solver import LayerCost
-
-    layers = list(m.model.layers)
-    flags = [layer.gradient_checkpointing for layer in layers]
-    for layer in layers:
-        layer.gradient_checkpointing = False
+def twin():
+    """The model again, checkpointing on every layer as the user enabled it, with no budget: the
+    oracle's costs are probed on it, so the user's model sees nothing but its own steps."""
+    asked = os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
     try:
-        with invisible.gcpatch_pass(torch, m):  # no per-shape plan for these passes
-            held = Held(layers)
-            with held:
-                out = m(input_ids=ids, labels=ids)
-            graph = out.loss.grad_fn
-            del out
-            alive = held.alive()
-            costs = [(alive.get(i, 0), held.checkpointed(i)) for i in range(len(layers))]
-            outside = alive.get(OUTSIDE, 0)
-            del graph, held
-            seconds = _time_layers(layers, lambda: m(input_ids=ids), _sync(m))
+        m = model()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     finally:
-        for layer, flag in zip(layers, flags):
-            layer.gradient_checkpointing = flag
-    # identical layers hold the same bytes and run the same kernels: one mean time for them, so the
-    # oracle's choice among them is not timing noise (gcpatch's own model does the same)
-    seconds = _averaged(
-        seconds, ["layer"] * len(layers), [p for p, _ in costs], [c for _, c in costs]
+        if asked is not None:
+            os.environ["GCPATCH_MEMORY_BUDGET"] = asked
+    return m
+
+
+def exact_costs(ref, tokens: int, cache: dict) -> tuple[list, float, float]:
+    """Every layer's costs measured at this very shape: one fully checkpointed step of `ref`
+    probed as gcpatch probes the first step, its cost model read at the shape it was probed at
+    (nothing extrapolated). (layer costs, bytes outside the layers, bytes without
+    checkpointing); once per shape."""
+    if tokens in cache:
+        return cache[tokens]
+    from gcpatch.step import cost_model
+    from gcpatch.step.levers import feed_forward
+    from gcpatch.step.probe import Probe
+
+    ids = batch(tokens)
+    layers = list(ref.model.layers)
+    probe = Probe(layers, [feed_forward.block(m) for m in layers], (BATCH, tokens), False)
+    probe.start()
+    try:
+        out = ref(input_ids=ids, labels=ids)
+        probe.forward_done()
+        out.loss.backward()
+    finally:
+        facts = probe.finish()
+        ref.zero_grad(set_to_none=True)
+    assert facts.complete and not probe.failed, probe.failed
+    funcs = [vars(m).get("_gradient_checkpointing_func") for m in layers]
+    costs = cost_model.build(facts, layers, funcs)
+    cache[tokens] = costs.at(BATCH, tokens)
+    return cache[tokens]
+
+
+def priced(costs: list, modes: list[str]) -> float:
+    """The recompute of a plan's modes by these costs (a lever the shape's own probe did not
+    offer: priced as a whole recompute)."""
+    from gcpatch.step.solver import PLAIN
+
+    return sum(
+        0.0 if mode == PLAIN else c.cost_by.get(mode, c.seconds) for c, mode in zip(costs, modes)
     )
-    out = [LayerCost(f"{i}", p, min(c, p), s) for i, ((p, c), s) in enumerate(zip(costs, seconds))]
-    return out, float(outside)
 
 
-def run(budget: str, cfg: dict) -> dict:
+def counts(modes: list[str]) -> dict[str, int]:
+    """How many layers run in each mode."""
+    return {mode: modes.count(mode) for mode in sorted(set(modes))}
+
+
+def timed_hook(plans, hook_s: dict[str, list[float]]) -> None:
+    """The pre-hook's own work at each forward, timed where it runs (a shape seen before, or
+    new), so that the step still runs it once."""
+    before = plans._before
+
+    def timed(args: tuple, kwargs: dict) -> None:
+        found = shape_of(kwargs)
+        seen = any(key[:2] == found for key in plans.plans)
+        start = time.perf_counter()
+        before(args, kwargs)
+        hook_s["seen" if seen else "new"].append(time.perf_counter() - start)
+
+    plans._before = timed
+
+
+def shape_of(kwargs: dict) -> tuple[int, int]:
+    rows, tokens = kwargs["input_ids"].shape
+    return int(rows), int(tokens)
+
+
+def run(budget: str, cfg: dict, ref, cache: dict) -> dict:
     from gcpatch.step import shapes, solver
     from gcpatch.step.held import held_bytes
 
@@ -125,22 +168,19 @@ def run(budget: str, cfg: dict) -> dict:
         steps = []
         for index, tokens in enumerate(lengths(cfg)):
             ids = batch(tokens)
-            if plans is not None:
-                seen = any(k[:2] == (BATCH, tokens) for k in plans.plans)
-                start = time.perf_counter()
-                plans(m, (), {"input_ids": ids, "labels": ids})  # what the pre-hook runs
-                hook_s["seen" if seen else "new"].append(time.perf_counter() - start)
             with held_bytes() as h:
                 loss = m(input_ids=ids, labels=ids).loss
                 held = h.total()
             loss.backward()
             m.zero_grad(set_to_none=True)
-            plans = shapes.of(m) or plans
             if index == 0:
-                continue  # the first step ran fully checkpointed while it was measured
-            flags = [layer.gradient_checkpointing for layer in m.model.layers]
-            costs, outside = true_costs(m, ids)
-            plain = outside + sum(c.plain for c in costs)
+                continue  # the first step ran fully checkpointed while it was probed
+            if plans is None:  # made at this step's forward: its pre-hook timed from now on
+                plans = shapes.of(m)
+                assert plans is not None, "no plan after the first step"
+                timed_hook(plans, hook_s)
+            modes = list(plans.last.modes)  # the plan this step's pre-hook applied
+            costs, outside, plain = exact_costs(ref, tokens, cache)
             limit = 0.5 * plain if budget == "0.5" else float(budget[:-1])
             oracle = solver.solve(costs, outside, limit)
             steps.append(
@@ -151,12 +191,12 @@ def run(budget: str, cfg: dict) -> dict:
                     "limit": limit,
                     "floor": oracle.floor,
                     "within": held <= limit * (1 + TOLERANCE)
-                    or (all(flags) and limit < oracle.floor),
-                    "recompute_s": sum(c.seconds for c, f in zip(costs, flags) if f),
+                    or (limit < oracle.floor and all(mode != solver.PLAIN for mode in modes)),
+                    "recompute_s": priced(costs, modes),
                     "oracle_s": oracle.recompute_s,
-                    "full_s": sum(c.seconds for c in costs),
-                    "checkpointed": sum(flags),
-                    "oracle_checkpointed": oracle.count,
+                    "full_s": oracle.full_recompute_s,
+                    "modes": counts(modes),
+                    "oracle_modes": counts(oracle.modes),
                 }
             )
     finally:
@@ -178,7 +218,7 @@ def summarise(result: dict) -> dict:
         "recompute_vs_oracle": ours / oracle if oracle else 1.0,
         "recompute_vs_full": ours / full if full else 0.0,
         "oracle_vs_full": oracle / full if full else 0.0,
-        "same_layers_as_oracle": sum(s["checkpointed"] == s["oracle_checkpointed"] for s in steps),
+        "same_plan_as_oracle": sum(s["modes"] == s["oracle_modes"] for s in steps),
         "hook_seen_ms": 1e3 * statistics.median(hooks["seen"]) if hooks["seen"] else None,
         "hook_new_ms": 1e3 * statistics.median(hooks["new"]) if hooks["new"] else None,
         "hook_new_max_ms": 1e3 * max(hooks["new"]) if hooks["new"] else None,
@@ -199,18 +239,18 @@ def write(rows: list[dict], raw: dict, out: Path, meta: str, cfg: dict) -> None:
         f"Set-up: Llama {LAYERS} layers, hidden {HIDDEN}, eager attention, batch {BATCH}, "
         f"{cfg['steps']} steps of {cfg['lengths'][0]}..{cfg['lengths'][1]} tokens (seeded), fp32, "
         "the real path (the variable set, the user's enable and loop). The first step runs fully "
-        "checkpointed while the model is measured; the figures are those of the other steps.",
+        "checkpointed while gcpatch probes it; the figures are those of the other steps.",
         "",
         "| budget | steps within budget (+5%) or at the floor | worst held / limit | recompute vs the "
         "per-step oracle | recompute vs full checkpointing | oracle vs full | steps with the oracle's "
-        "layer count | pre-hook per step, seen shape | pre-hook, new shape (median / max) | new shapes |",
+        "plan (layers per lever) | pre-hook per step, seen shape | pre-hook, new shape (median / max) | new shapes |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['budget']} | {r['within']} of {r['steps']} | {r['worst_over']:.3f} | "
             f"{r['recompute_vs_oracle']:.3f} | {r['recompute_vs_full']:.3f} | "
-            f"{r['oracle_vs_full']:.3f} | {r['same_layers_as_oracle']} of {r['steps']} | "
+            f"{r['oracle_vs_full']:.3f} | {r['same_plan_as_oracle']} of {r['steps']} | "
             f"{_ms(r['hook_seen_ms'])} | {_ms(r['hook_new_ms'])} / {_ms(r['hook_new_max_ms'])} | "
             f"{r['new_shapes']} |"
         )
@@ -218,9 +258,13 @@ def write(rows: list[dict], raw: dict, out: Path, meta: str, cfg: dict) -> None:
         "",
         "Goals: every step within the budget (100%); recompute within 5% of the per-step oracle's "
         "(an oracle that knows every shape and measures it exactly); planning a seen shape costs "
-        "nothing measurable, a new one at most 1 ms. Recompute is in measured forward seconds of the "
-        "checkpointed layers at each step's own shape (CPU; one run, so seconds carry timing noise: "
-        "the oracle's and gcpatch's plans are judged by the same figures).",
+        "nothing measurable, a new one at most 1 ms. Recompute is in seconds of each step's own "
+        "shape as its probe measured them: each layer's recompute timed in the backward, each "
+        "lever's share of it as gcpatch prices levers (CPU; one probed step per shape, so seconds "
+        "carry timing noise: the oracle's and gcpatch's plans are judged by the same figures). "
+        "Among plans within 5% of full checkpointing's recompute of the cheapest the solver takes "
+        "the one recomputing the fewest matmul FLOPs, so either plan may recompute a little more "
+        "than the other.",
         "",
         "Plot: `budget_shapes.png` (each step's held bytes against its budget, and its recompute"
         " against the oracle's, by token count; `--plot-only` redraws it from the JSON).",
@@ -293,7 +337,8 @@ def main() -> int:
         loss = size_ref(input_ids=ids, labels=ids).loss
         half = h.total() // 2
     del loss, size_ref
-    raw = {"config": cfg, "runs": [run("0.5", cfg), run(f"{half}B", cfg)]}
+    ref, cache = twin(), {}  # the oracle's model, and its costs by shape (both runs share them)
+    raw = {"config": cfg, "runs": [run("0.5", cfg, ref, cache), run(f"{half}B", cfg, ref, cache)]}
     rows = [summarise(r) for r in raw["runs"]]
     import transformers
 

@@ -60,7 +60,8 @@ ISOLATED = r"""
 import functools, json, os, time, torch, wrapt
 os.environ["GCPATCH"] = "1"
 import gcpatch
-from gcpatch import checkpoint_call, engine
+from gcpatch import engine
+from gcpatch.call import checkpoint_call
 engine.start()
 import logging; logging.getLogger("gcpatch").setLevel(logging.ERROR)
 lin = torch.nn.Linear(4, 4)

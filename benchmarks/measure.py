@@ -179,31 +179,10 @@ def make_venvs(work: Path) -> dict[str, Path]:
     base = getattr(sys, "_base_executable", sys.executable)
     out = {}
     for name in ("without", "with"):
-        root = work / f"venv-{name}"
-        if root.exists():
-            shutil.rmtree(root)
-        subprocess.run([base, "-m", "venv", "--without-pip", str(root)], check=True)
-        py = root / "bin" / "python"
-        if not py.exists():
-            py = root / "Scripts" / "python.exe"
-        purelib = subprocess.run(
-            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        target = Path(purelib)
+        py, target = _venv(base, work / f"venv-{name}")
         (target / "00-bench-env.pth").write_text("".join(d + "\n" for d in env_dirs))
         for pth in other_pth:
-            lines = []
-            for line in pth.read_text().splitlines():
-                stripped = line.strip()
-                if stripped and not stripped.startswith(("#", "import ", "import\t")):
-                    line = str(
-                        (pth.parent / stripped).resolve()
-                    )  # a relative path line stays valid
-                lines.append(line)
-            (target / pth.name).write_text("\n".join(lines) + "\n")
+            (target / pth.name).write_text(_absolute_path_lines(pth))
         if name == "with":
             for top in tops:
                 src = site_dir / top
@@ -213,6 +192,34 @@ def make_venvs(work: Path) -> dict[str, Path]:
                     shutil.copy2(src, target / top)
         out[name] = py
     return out
+
+
+def _venv(base: str, root: Path) -> tuple[Path, Path]:
+    """A fresh venv at `root` without pip: its interpreter and its site-packages."""
+    if root.exists():
+        shutil.rmtree(root)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(root)], check=True)
+    py = root / "bin" / "python"
+    if not py.exists():
+        py = root / "Scripts" / "python.exe"
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    return py, Path(purelib)
+
+
+def _absolute_path_lines(pth: Path) -> str:
+    """A .pth file's text with each path line made absolute, so that it stays valid elsewhere."""
+    lines = []
+    for line in pth.read_text().splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith(("#", "import ", "import\t")):
+            line = str((pth.parent / stripped).resolve())
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def pth_line_cost_us() -> float:

@@ -264,18 +264,31 @@ def selective(layers: int):
 
 
 def gcpatch_plan(layers: int, budget: float, ids):
-    """The real path: the variable set, the user's enable; the plan is made at the first forward."""
+    """The real path: the variable set, the user's enable; the first step runs fully checkpointed
+    and is probed, the plan is made and applied at the second training forward."""
     from gcpatch import record
 
+    before = len(record.history())
     os.environ["GCPATCH_MEMORY_BUDGET"] = str(budget)
     try:
         m = model(layers)
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        step(m, ids)  # the first training forward: gcpatch measures and plans here
+        step(m, ids)  # the first training step: gcpatch probes it
+        step(m, ids)  # the second: its forward gets the plan
     finally:
         os.environ.pop("GCPATCH_MEMORY_BUDGET", None)
-    entry = [e for e in record.history() if e.get("stage") == "budget"][-1]
+    entry = [e for e in record.history()[before:] if e.get("stage") == "budget"][-1]
     return m, entry
+
+
+def lever_shares(measured: dict) -> dict:
+    """Each lever's cost over a whole layer's recompute as the first step measured it: the mean
+    over the layers it was offered to (the record's `measured.layers[].shares`)."""
+    found: dict[str, list[float]] = {}
+    for layer in measured.get("layers", []):
+        for lever, share in (layer.get("shares") or {}).items():
+            found.setdefault(lever, []).append(share)
+    return {lever: statistics.fmean(values) for lever, values in found.items()}
 
 
 def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) -> dict:
@@ -333,13 +346,12 @@ def one_config(layers: int, seq: int, budgets: list[float], with_compile: bool) 
             "gcpatch_checkpointed": entry["budget"]["plan"]["checkpointed"],
             "gcpatch_modes": entry["budget"]["plan"]["modes"],
             # what each lever measured: its cost over a whole layer's recompute
-            "shares": entry["budget"]["measured"].get("levers", {}).get("shares", {}),
+            "shares": lever_shares(entry["budget"]["measured"]),
             "flops": {
                 "gcpatch": backward_flops(ours, ids),
                 "every_n": backward_flops(variants["every_n"], ids),
             },
             "gcpatch_line": entry["line"],
-            "gcpatch_measuring_s": entry["budget"]["measured"]["seconds"],
             "bytes": {
                 "gcpatch": held(ours, ids),
                 "full": full_held,
@@ -427,9 +439,15 @@ def summarise(raw: dict) -> list[dict]:
 
 # how the table names each mode: whole, keeping the matmuls, keeping the attention output, plain;
 # and where any layer runs so, the feed-forward block alone and offloaded (tables of runs before
-# those levers read as they did)
-LETTERS = {"full": "W", "keep-matmuls": "K", "keep-attention": "A", "plain": "P"}
-LATER = {"feed-forward": "F", "offload": "O"}
+# those levers read as they did). Each letter's modes: the lever's name, then the name runs
+# before the levers' registry recorded (`full`, `offload`).
+LETTERS = {
+    "W": ("whole", "full"),
+    "K": ("keep-matmuls",),
+    "A": ("keep-attention",),
+    "P": ("plain",),
+}
+LATER = {"F": ("feed-forward",), "O": ("offload-inputs", "offload")}
 
 
 def _modes(modes: list[str] | None) -> str:
@@ -437,8 +455,12 @@ def _modes(modes: list[str] | None) -> str:
     feed-forward block alone checkpointed or offloaded."""
     if modes is None:
         return "-"
-    counted = [f"{modes.count(mode)}{letter}" for mode, letter in LETTERS.items()]
-    counted += [f"{modes.count(mode)}{letter}" for mode, letter in LATER.items() if mode in modes]
+
+    def count(names: tuple[str, ...]) -> int:
+        return sum(modes.count(name) for name in names)
+
+    counted = [f"{count(names)}{letter}" for letter, names in LETTERS.items()]
+    counted += [f"{count(names)}{letter}" for letter, names in LATER.items() if count(names)]
     return " ".join(counted)
 
 
@@ -498,7 +520,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
             else ""
         )
         + f"; `{levers} cost`: what each lever measured at the first step, over a whole layer's "
-        "recompute (the solver's input);",
+        "recompute (the mean over the layers it was offered to; the solver's input);",
         "- selective: torch's selective checkpointing by hand on every layer (a `context_fn` saving "
         "matmuls and attention kernels);",
         f"- time: step (forward + backward) / no checkpointing, median of {STEPS} steps ({clock}), "
@@ -526,26 +548,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         head += " " + " | ".join(f"{v} peak" for v in peaks) + " |"
         sep += "---|" * len(peaks)
     lines += [head, sep]
-    for r in rows:
-        over = "" if r["met"] else " (over)"
-        line = (
-            f"| {r['layers']} | {r['seq']} | {r['budget']:.1f} | {r['modes']} | "
-            f"{_shares(r.get('shares') or {}, split)} | "
-            f"{r['gcpatch_bytes']:.3f}{over} | {r['gcpatch_time']:.3f} | {_fraction(r.get('gcpatch_flops'))} | "
-            f"{r['full_bytes']:.3f} | {r['full_time']:.3f} | {r['n']} | "
-            f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} | {_fraction(r.get('every_n_flops'))} |"
-        )
-        if "selective_bytes" in r:
-            line += (
-                f" {r['selective_bytes']:.3f} | {r['selective_time']:.3f} |"
-                f" {_fraction(r.get('selective_flops'))} |"
-            )
-        if "compile_bytes" in r:
-            compile_time = f"{r['compile_time']:.3f}" if r["compile_time"] else "-"
-            line += f" {r['compile_bytes']:.3f} | {compile_time} |"
-        if "gcpatch_peak" in r:
-            line += " " + " | ".join(f"{r[f'{v}_peak']:.3f}" for v in peaks) + " |"
-        lines.append(line)
+    lines += [_row(r, split, peaks) for r in rows]
     met = sum(r["met"] for r in rows)
     lines += [
         "",
@@ -553,24 +556,7 @@ def write(raw: dict, out: Path, quick: bool) -> None:
         f"{met} of {len(rows)}.",
         "",
     ]
-    for r in rows:
-        if abs(r["budget"] - 0.5) < 1e-9:
-            ours, full = r["gcpatch_time"] - 1, r["full_time"] - 1
-            verdict = "at most" if ours <= full / 2 else "MORE than"
-            flops = r.get("gcpatch_flops")
-            said = (
-                ""
-                if flops is None
-                else (
-                    f"; FLOPs recomputed {flops:.3f} of full checkpointing's "
-                    f"({'at most' if flops <= 0.35 else 'MORE than'} 0.35)"
-                )
-            )
-            lines.append(
-                f"- {r['layers']} layers, seq {r['seq']}, budget 0.5: layers {r['modes']}, step-time "
-                f"overhead {ours:+.1%} (full checkpointing {full:+.1%}): {verdict} half of full "
-                f"checkpointing's{said}"
-            )
+    lines += [_at_half(r) for r in rows if abs(r["budget"] - 0.5) < 1e-9]
     for cfg in raw["configs"]:
         if "context_fn_seconds" in cfg:
             sides = cfg["context_fn_seconds"]
@@ -583,6 +569,50 @@ def write(raw: dict, out: Path, quick: bool) -> None:
     md, _, png = names(raw)
     lines += ["", f"Plot: `{png}` ({raw.get('plot', '')}).", ""]
     (out / md).write_text("\n".join(lines))
+
+
+def _row(r: dict, split: bool, peaks: tuple[str, ...]) -> str:
+    """One row of the table, with the columns of the variants this run measured."""
+    over = "" if r["met"] else " (over)"
+    line = (
+        f"| {r['layers']} | {r['seq']} | {r['budget']:.1f} | {r['modes']} | "
+        f"{_shares(r.get('shares') or {}, split)} | "
+        f"{r['gcpatch_bytes']:.3f}{over} | {r['gcpatch_time']:.3f} | {_fraction(r.get('gcpatch_flops'))} | "
+        f"{r['full_bytes']:.3f} | {r['full_time']:.3f} | {r['n']} | "
+        f"{r['every_n_bytes']:.3f} | {r['every_n_time']:.3f} | {_fraction(r.get('every_n_flops'))} |"
+    )
+    if "selective_bytes" in r:
+        line += (
+            f" {r['selective_bytes']:.3f} | {r['selective_time']:.3f} |"
+            f" {_fraction(r.get('selective_flops'))} |"
+        )
+    if "compile_bytes" in r:
+        compile_time = f"{r['compile_time']:.3f}" if r["compile_time"] else "-"
+        line += f" {r['compile_bytes']:.3f} | {compile_time} |"
+    if "gcpatch_peak" in r:
+        line += " " + " | ".join(f"{r[f'{v}_peak']:.3f}" for v in peaks) + " |"
+    return line
+
+
+def _at_half(r: dict) -> str:
+    """The verdict of a row at budget 0.5: gcpatch's step-time overhead against full
+    checkpointing's, and the FLOPs it recomputes."""
+    ours, full = r["gcpatch_time"] - 1, r["full_time"] - 1
+    verdict = "at most" if ours <= full / 2 else "MORE than"
+    flops = r.get("gcpatch_flops")
+    said = (
+        ""
+        if flops is None
+        else (
+            f"; FLOPs recomputed {flops:.3f} of full checkpointing's "
+            f"({'at most' if flops <= 0.35 else 'MORE than'} 0.35)"
+        )
+    )
+    return (
+        f"- {r['layers']} layers, seq {r['seq']}, budget 0.5: layers {r['modes']}, step-time "
+        f"overhead {ours:+.1%} (full checkpointing {full:+.1%}): {verdict} half of full "
+        f"checkpointing's{said}"
+    )
 
 
 def names(raw: dict) -> tuple[str, str, str]:

@@ -28,98 +28,19 @@ def _median_ci(values: list[float]) -> list[float]:
 
 
 def summarise(raw: dict) -> dict:
-    s: dict = {}
-    st = raw["startup"]["startup_s"]
-    s["startup"] = {k: {"min_ms": min(v) * 1000, "median_ms": med(v) * 1000} for k, v in st.items()}
-    s["startup_off"] = {
-        "median": med(st["unset"]) / med(st["without"]),
-        "min": min(st["unset"]) / min(st["without"]),
-        "paired": paired_ratio(st["unset"], st["without"]),
-    }
-    s["startup_on"] = {
-        "median": med(st["on"]) / med(st["unset"]),
-        "min": min(st["on"]) / min(st["unset"]),
-        "paired": paired_ratio(st["on"], st["unset"]),
-    }
-    im = raw["startup"]["import_s"]
-    s["import"] = {k: {"min_ms": min(v) * 1000, "median_ms": med(v) * 1000} for k, v in im.items()}
-    s["import_off"] = {
-        "median": med(im["unset"]) / med(im["without"]),
-        "min": min(im["unset"]) / min(im["without"]),
-    }
-    s["import_on"] = {
-        "median": med(im["on"]) / med(im["unset"]),
-        "min": min(im["on"]) / min(im["unset"]),
-        "added_ms": (med(im["on"]) - med(im["unset"])) * 1000,
-    }
-
-    en = raw["enable"]
-
-    def pool(name: str, key: str) -> list[float]:
-        values: list[float] = []
-        for r in en[name]:
-            values += r[key] if isinstance(r[key], list) else [r[key]]
-        return values
-
-    for name in ("off", "on"):
-        for r in en[name]:
-            r["import_total_ms"] = r["import_transformers_ms"] + r["import_modeling_ms"]
-    s["enable"] = {}
-    for key in (
-        "import_total_ms",
-        "first_enable_ms",
-        "tiny_enable_ms",
-        "small_enable_ms",
-        "again_enable_ms",
-        "import_transformers_ms",
-        "import_modeling_ms",
-    ):
-        off, on = pool("off", key), pool("on", key)
-        s["enable"][key] = {
-            "off": med(off),
-            "on": med(on),
-            "added": med(on) - med(off),
-            "n": len(on),
-        }
-
+    s: dict = _startup_summary(raw["startup"])
+    s["enable"] = _enable_summary(raw["enable"])
     cases = raw["cases"]["cases"]
     s["cases"] = []
     pooled: list[float] = []
     worst_bytes = 0.0
     for c in cases:
-        v = c["variants"]
-        hand = {k: x for k, x in v.items() if k.startswith("hand-")}
-        correct = {k: x for k, x in hand.items() if x["correct"]}
-        best = min(correct, key=lambda k: (correct[k]["packed"], k)) if correct else None
-        row = {
-            "setup": c["setup"],
-            "label": c["label"],
-            "best": best,
-            "same": c["same_choice"],
-            "other": c["other_choice"],
-            "floor": v["none"]["floor_packed"],
-            "gcpatch_applied": v["gcpatch"].get("applied", {}),
-            "rules": v["gcpatch"].get("rules", []),
-        }
-        if best:
-            row["bytes_ratio"] = v["gcpatch"]["packed"] / v[best]["packed"]
-            worst_bytes = max(worst_bytes, row["bytes_ratio"])
-        row["floor_ratio"] = v["gcpatch"]["packed"] / v["none"]["floor_packed"]
+        row = _case_row(c)
+        worst_bytes = max(worst_bytes, row.get("bytes_ratio", 0.0))
         steps = c["step_s"]
-        row["step_med"] = {k: med(x) for k, x in steps.items()}
-        row["step_ratio"] = paired_ratio(steps["gcpatch"], steps[c["same_choice"]])
-        row["step_ratio_median"] = med(steps["gcpatch"]) / med(steps[c["same_choice"]])
         pooled += [a / b for a, b in zip(steps["gcpatch"], steps[c["same_choice"]])]
-        if c["other_choice"]:
-            r_, nr = ("hand-R", "hand-NR")
-            row["reentrant_ratio"] = paired_ratio(steps[r_], steps[nr])
-        if "none" in steps:
-            row["ckpt_overhead"] = paired_ratio(steps[c["same_choice"]], steps["none"])
-        if c["setup"] == "eval":
-            row["eval_ratio"] = v["gcpatch"]["packed"] / v[c["same_choice"]]["packed"]
-            row["eval_plain_ratio"] = v["plain"]["packed"] / v[c["same_choice"]]["packed"]
+        if "eval_ratio" in row:
             s["eval"] = row["eval_ratio"]
-        row["hooks_added"] = v["gcpatch"]["hooks"] - v[c["same_choice"]]["hooks"]
         s["cases"].append(row)
     rr_pairs = [
         a / b
@@ -141,6 +62,102 @@ def summarise(raw: dict) -> dict:
     s["step_pooled_n"] = len(pooled)
     s["bytes_worst"] = worst_bytes
     return s
+
+
+def _startup_summary(startup: dict) -> dict:
+    """Start-up and `import transformers`: each variant's times and their ratios."""
+    s: dict = {}
+    st = startup["startup_s"]
+    s["startup"] = {k: {"min_ms": min(v) * 1000, "median_ms": med(v) * 1000} for k, v in st.items()}
+    s["startup_off"] = {
+        "median": med(st["unset"]) / med(st["without"]),
+        "min": min(st["unset"]) / min(st["without"]),
+        "paired": paired_ratio(st["unset"], st["without"]),
+    }
+    s["startup_on"] = {
+        "median": med(st["on"]) / med(st["unset"]),
+        "min": min(st["on"]) / min(st["unset"]),
+        "paired": paired_ratio(st["on"], st["unset"]),
+    }
+    im = startup["import_s"]
+    s["import"] = {k: {"min_ms": min(v) * 1000, "median_ms": med(v) * 1000} for k, v in im.items()}
+    s["import_off"] = {
+        "median": med(im["unset"]) / med(im["without"]),
+        "min": min(im["unset"]) / min(im["without"]),
+    }
+    s["import_on"] = {
+        "median": med(im["on"]) / med(im["unset"]),
+        "min": min(im["on"]) / min(im["unset"]),
+        "added_ms": (med(im["on"]) - med(im["unset"])) * 1000,
+    }
+    return s
+
+
+def _enable_summary(en: dict) -> dict:
+    """The enable calls: each figure without and with gcpatch, pooled over the processes."""
+
+    def pool(name: str, key: str) -> list[float]:
+        values: list[float] = []
+        for r in en[name]:
+            values += r[key] if isinstance(r[key], list) else [r[key]]
+        return values
+
+    for name in ("off", "on"):
+        for r in en[name]:
+            r["import_total_ms"] = r["import_transformers_ms"] + r["import_modeling_ms"]
+    summary = {}
+    for key in (
+        "import_total_ms",
+        "first_enable_ms",
+        "tiny_enable_ms",
+        "small_enable_ms",
+        "again_enable_ms",
+        "import_transformers_ms",
+        "import_modeling_ms",
+    ):
+        off, on = pool("off", key), pool("on", key)
+        summary[key] = {
+            "off": med(off),
+            "on": med(on),
+            "added": med(on) - med(off),
+            "n": len(on),
+        }
+    return summary
+
+
+def _case_row(c: dict) -> dict:
+    """One set-up: gcpatch's bytes against the best correct hand choice and the floor, and its
+    step time against the same choice made by hand."""
+    v = c["variants"]
+    hand = {k: x for k, x in v.items() if k.startswith("hand-")}
+    correct = {k: x for k, x in hand.items() if x["correct"]}
+    best = min(correct, key=lambda k: (correct[k]["packed"], k)) if correct else None
+    row = {
+        "setup": c["setup"],
+        "label": c["label"],
+        "best": best,
+        "same": c["same_choice"],
+        "other": c["other_choice"],
+        "floor": v["none"]["floor_packed"],
+        "gcpatch_applied": v["gcpatch"].get("applied", {}),
+        "rules": v["gcpatch"].get("rules", []),
+    }
+    if best:
+        row["bytes_ratio"] = v["gcpatch"]["packed"] / v[best]["packed"]
+    row["floor_ratio"] = v["gcpatch"]["packed"] / v["none"]["floor_packed"]
+    steps = c["step_s"]
+    row["step_med"] = {k: med(x) for k, x in steps.items()}
+    row["step_ratio"] = paired_ratio(steps["gcpatch"], steps[c["same_choice"]])
+    row["step_ratio_median"] = med(steps["gcpatch"]) / med(steps[c["same_choice"]])
+    if c["other_choice"]:
+        row["reentrant_ratio"] = paired_ratio(steps["hand-R"], steps["hand-NR"])
+    if "none" in steps:
+        row["ckpt_overhead"] = paired_ratio(steps[c["same_choice"]], steps["none"])
+    if c["setup"] == "eval":
+        row["eval_ratio"] = v["gcpatch"]["packed"] / v[c["same_choice"]]["packed"]
+        row["eval_plain_ratio"] = v["plain"]["packed"] / v[c["same_choice"]]["packed"]
+    row["hooks_added"] = v["gcpatch"]["hooks"] - v[c["same_choice"]]["hooks"]
+    return row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,10 +185,31 @@ VARIANT_TEXT = {
 
 
 def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) -> Path:
+    lines = [
+        *_preamble(raw, smoke),
+        *_targets(raw, s),
+        *_startup_section(raw, s),
+        *_import_section(raw, s),
+        *_enable_section(raw, s),
+        *_step_section(raw, s),
+        *_bytes_section(raw, s),
+        *_not_measured(plot_note),
+    ]
+    path = out / "RESULTS.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+STARTUP_VARIANTS = {
+    "without": "venv without gcpatch",
+    "unset": "gcpatch installed, GCPATCH unset",
+    "on": "gcpatch installed, GCPATCH=1",
+}
+
+
+def _preamble(raw: dict, smoke: bool) -> list[str]:
+    """How to reproduce the figures, and where they were measured."""
     env = raw["env"]
-    e = s["enable"]
-    t = TARGETS
-    eval_row = next((r for r in s["cases"] if r["setup"] == "eval"), None)
     lines: list[str] = []
     add = lines.append
     add("# gcpatch benchmarks")
@@ -208,7 +246,15 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
         "order): absolute times on this shared machine drift from run to run, ratios much less."
     )
     add("")
+    return lines
 
+
+def _targets(raw: dict, s: dict) -> list[str]:
+    """The targets, each with its measured figure, and the misses explained."""
+    e, t = s["enable"], TARGETS
+    eval_row = next((r for r in s["cases"] if r["setup"] == "eval"), None)
+    lines: list[str] = []
+    add = lines.append
     add("## Targets")
     add("")
     add("| what | measured | target | |")
@@ -254,17 +300,18 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
     add("")
     add("\n\n".join(missed) if missed else "None in this run.")
     add("")
+    return lines
 
+
+def _startup_section(raw: dict, s: dict) -> list[str]:
+    """1. Interpreter start-up."""
+    lines: list[str] = []
+    add = lines.append
     add("## 1. Interpreter start-up (`python -c pass`)")
     add("")
     add("| variant | min (ms) | median (ms) |")
     add("| --- | --- | --- |")
-    names = {
-        "without": "venv without gcpatch",
-        "unset": "gcpatch installed, GCPATCH unset",
-        "on": "gcpatch installed, GCPATCH=1",
-    }
-    for k, label in names.items():
+    for k, label in STARTUP_VARIANTS.items():
         add(f"| {label} | {s['startup'][k]['min_ms']:.2f} | {s['startup'][k]['median_ms']:.2f} |")
     it = raw["startup"]["importtime"]
     add("")
@@ -288,12 +335,19 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
         "dist-info) in its own site-packages. So the only difference is gcpatch being installed."
     )
     add("")
+    return lines
 
+
+def _import_section(raw: dict, s: dict) -> list[str]:
+    """2. `import transformers`."""
+    e, io = s["enable"], s["import_on"]
+    lines: list[str] = []
+    add = lines.append
     add("## 2. `import transformers`")
     add("")
     add("| variant | min (ms) | median (ms) |")
     add("| --- | --- | --- |")
-    for k, label in names.items():
+    for k, label in STARTUP_VARIANTS.items():
         add(f"| {label} | {s['import'][k]['min_ms']:.1f} | {s['import'][k]['median_ms']:.1f} |")
     add("")
     itf = raw["startup"]["importtime_transformers"]
@@ -313,7 +367,14 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
         "noisy at this scale)."
     )
     add("")
+    return lines
 
+
+def _enable_section(raw: dict, s: dict) -> list[str]:
+    """3. The enable call."""
+    e = s["enable"]
+    lines: list[str] = []
+    add = lines.append
     add("## 3. The enable call")
     add("")
     add(
@@ -338,7 +399,14 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
         "includes its one INFO line on stderr per decision."
     )
     add("")
+    return lines
 
+
+def _step_section(raw: dict, s: dict) -> list[str]:
+    """4. Training step time."""
+    eval_row = next((r for r in s["cases"] if r["setup"] == "eval"), None)
+    lines: list[str] = []
+    add = lines.append
     m = raw["config"]["model"]
     add("## 4. Training step time")
     add("")
@@ -408,7 +476,13 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
         "wrappers); where it is 0 a step runs exactly the same code, and the ratio is noise."
     )
     add("")
+    return lines
 
+
+def _bytes_section(raw: dict, s: dict) -> list[str]:
+    """5. Saved activation bytes."""
+    lines: list[str] = []
+    add = lines.append
     add("## 5. Saved activation bytes")
     add("")
     add(
@@ -458,6 +532,13 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
         br = f"{r['bytes_ratio']:.3f}x ({r['best']})" if "bytes_ratio" in r else "n/a"
         add(f"| {r['label']} | {br} | {r['floor_ratio']:.3f}x |")
     add("")
+    return lines
+
+
+def _not_measured(plot_note: str) -> list[str]:
+    """What this run could not measure, and the plot."""
+    lines: list[str] = []
+    add = lines.append
     add("## Not measured")
     add("")
     add(
@@ -468,9 +549,7 @@ def write_results(raw: dict, s: dict, out: Path, smoke: bool, plot_note: str) ->
     add("")
     add(f"Plot: `results.png` ({plot_note}).")
     add("")
-    path = out / "RESULTS.md"
-    path.write_text("\n".join(lines))
-    return path
+    return lines
 
 
 def misses(raw: dict, s: dict) -> list[str]:

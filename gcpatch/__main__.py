@@ -1,3 +1,3 @@
-from gcpatch.cli import main
+from gcpatch.commands.cli import main
 
 raise SystemExit(main())

@@ -19,6 +19,7 @@ from gcpatch.facts import (
     checkpoint_function,
     checkpoint_layers,
     checkpoint_stacks,
+    input_embeddings,
     is_checkpoint_layer,
     passes_kv_cache,
     use_cache_configs,
@@ -112,7 +113,7 @@ def apply(
     ):
         if decision.mode == "strict":
             # strict changes nothing on its own: a layer's checkpoint call whose input would need
-            # the hook raises instead (CK1 naming this rule, gcpatch/checkpoint_call.py)
+            # the hook raises instead (CK1 naming this rule, gcpatch/call/checkpoint_call.py)
             applied["withheld"] = "input_grads_hook (strict mode)"
         else:
             _install_input_hooks(model, state)
@@ -513,23 +514,8 @@ def _install_input_hooks(model: Any, state: ModelState) -> None:
         )
 
 
-def _embeddings_of(model: Any) -> Any:
-    try:
-        embeddings = model.get_input_embeddings()
-    except Exception as exc:  # noqa: BLE001
-        log.debug(
-            "gcpatch: R2: %s has no input embeddings (%s: %s); only the inputs_embeds hook is"
-            " installed",
-            type(model).__name__,
-            type(exc).__name__,
-            exc,
-        )
-        return None
-    return embeddings if hasattr(embeddings, "register_forward_hook") else None
-
-
 def _hook_embeddings(model: Any, state: ModelState) -> None:
-    embeddings = _embeddings_of(model)
+    embeddings = input_embeddings(model)
     if embeddings is None or _transformers_hooks(embeddings):
         return
     if any(getattr(h, "gcpatch_embeddings", False) for h in state.input_hooks):
@@ -559,7 +545,7 @@ def _transformers_hooks(embeddings: Any) -> list[int]:
 def input_grads_hooked(model: Any) -> bool:
     """Whether transformers' own input-grads hook (`enable_input_require_grads`) sits on the
     model's input embeddings."""
-    embeddings = _embeddings_of(model)
+    embeddings = input_embeddings(model)
     return embeddings is not None and bool(_transformers_hooks(embeddings))
 
 
@@ -573,7 +559,7 @@ def dedupe_input_grads_hooks(model: Any) -> int:
         # looked up on the class: `hasattr` on a module goes through nn.Module.__getattr__, which
         # raises for every layer of the tree (half of this walk's time)
         embeddings = (
-            _embeddings_of(module) if hasattr(type(module), "get_input_embeddings") else None
+            input_embeddings(module) if hasattr(type(module), "get_input_embeddings") else None
         )
         if embeddings is None:
             continue

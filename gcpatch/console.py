@@ -1,23 +1,11 @@
 """Who says gcpatch's decision lines, and that they show on the console under any launcher.
 
-Once per job: the process whose local rank is 0 (LOCAL_RANK, else RANK; a single process is
-rank 0) logs each distinct decision line at INFO, once per process; every other rank logs it at
-DEBUG. Ranks decide from rank-independent facts, so their lines match unless something failed on
-one rank. What "differs" means: global rank 0 publishes each decision line in the process group's
-key-value store (where one exists) under the decision's identity (model, entry point, stage,
-source and how often that identity was decided); every other rank compares its own line with rank
-0's when rank 0's is there, without waiting, at each of its decisions, and at the latest at DDP
-construction (gcpatch/agreement.py, where every rank waits for the others anyway). A rank whose
-line differs logs it at WARNING, naming rank 0's. Without a process group (before
-`init_process_group`, or a launcher that never creates one) nothing can be compared cheaply and
-the other ranks stay at DEBUG; the JSONL record keeps every rank's decisions either way.
-
-Visible: gcpatch's logger carries its own stderr handler. It prints a line only when no handler
-the line propagates to would show it on a console (a stream handler on stderr/stdout, or a rich
-console handler, whose level and filters let it through): the host's configuration decides where
-everything else goes and is never changed. Axolotl's CLI, whose logging set-up shows only warnings
-of other libraries' loggers, gets the lines from this handler; a script that calls
-`logging.basicConfig(level=INFO)` gets them once, from its own handler.
+Once per job: local rank 0 logs each distinct line at INFO, the other ranks at DEBUG. Ranks decide
+from rank-independent facts, so global rank 0 publishes its lines in the process group's key-value
+store and every other rank compares its own with them without waiting (at the latest at DDP
+construction, gcpatch/agreement.py), logging a line that differs at WARNING. gcpatch's own stderr
+handler prints a line only where no handler it propagates to would show it on a console, so the
+host's logging configuration is never changed (docs/HOW-IT-WORKS.md, "Once per job").
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The decision context: who is asking, and what gcpatch knows about each model between calls.
+"""The decision context: who is asking, what gcpatch knows about each model between calls, and
+whether one of gcpatch's own passes is running.
 
 One owner for the state a decision reads and leaves behind. `Asker` says who is asking for the
 enable in progress (the user, a Trainer, a framework on the user's behalf, a re-decision after a
@@ -48,6 +49,25 @@ def asking(**changes: Any) -> Iterator[Asker]:
         yield _asker.get()
     finally:
         _asker.reset(token)
+
+
+# gcpatch's own passes at the first step in progress (nested: a pass inside a pass). step.invisible
+# counts them; the layers below it (crash_notes, which leaves a failure inside a pass to the pass's
+# own line) read `in_own_pass()` here instead of reaching up into step.
+_own_passes = [0]
+
+
+def own_pass_began() -> None:
+    _own_passes[0] += 1
+
+
+def own_pass_ended() -> None:
+    _own_passes[0] -= 1
+
+
+def in_own_pass() -> bool:
+    """Whether one of gcpatch's own passes of the user's model (step.invisible) runs now."""
+    return _own_passes[0] > 0
 
 
 class ModelContext:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 from typing import Any
 
-from gcpatch import headline, lifetime, record, settings
+from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.ranks import rank
 from gcpatch.schema import Stage
 
@@ -160,19 +159,12 @@ def _explaining(original: Any) -> Any:
         try:
             return original(*args, **kwargs)
         except Exception as exc:
-            if not _own_pass():  # gcpatch's own measuring says its failure in its own line
+            if not context.in_own_pass():  # gcpatch's own pass says its failure itself
                 explain(exc)
             raise
 
     setattr(entry, _MARK, True)
     return entry
-
-
-def _own_pass() -> bool:
-    """Whether one of gcpatch's own passes is running (gcpatch/step/invisible.py, read only where
-    a budget or verify has loaded it)."""
-    invisible = sys.modules.get("gcpatch.step.invisible")
-    return invisible is not None and invisible.active()
 
 
 @lifetime.activation

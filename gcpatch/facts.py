@@ -151,7 +151,7 @@ def stack_facts(model: Any) -> tuple[Stack, ...]:
     owners = {id(owner) for _, owner, _ in stacks} | {
         id(layer) for _, _, layers in stacks for layer in layers
     }
-    embeddings = _input_embeddings(model)
+    embeddings = input_embeddings(model)
     facts = []
     for name, owner, layers in stacks:
         layer_ids = {id(p) for layer in layers for p in layer.parameters()}
@@ -235,17 +235,20 @@ def _upstream(
     return total, fed
 
 
-def _input_embeddings(model: Any) -> Any:
+def input_embeddings(model: Any) -> Any:
+    """The model's input embeddings, where it has a module there (R1 reads what feeds the layers,
+    R2 hooks its output); None where it has none."""
     try:
-        return model.get_input_embeddings()
+        embeddings = model.get_input_embeddings()
     except Exception as exc:  # noqa: BLE001 (many models do not implement it)
         log.debug(
-            "gcpatch: R1: %s has no input embeddings (%s: %s)",
+            "gcpatch: %s has no input embeddings (%s: %s)",
             type(model).__name__,
             type(exc).__name__,
             exc,
         )
         return None
+    return embeddings if hasattr(embeddings, "register_forward_hook") else None
 
 
 def checkpoint_function() -> str:
@@ -371,7 +374,7 @@ def gather(
         api=api,
         source=source,
         model_class=type(model).__name__,
-        asked_use_reentrant=_as_bool(asked.get("use_reentrant")),
+        asked_use_reentrant=as_bool(asked.get("use_reentrant")),
         asked_from=asked_from,
         asked_kwargs=asked,
         trainable_params=trainable,
@@ -431,7 +434,7 @@ def for_config(
         api=api,
         source="config",
         model_class=model_class,
-        asked_use_reentrant=_as_bool(asked.get("use_reentrant")),
+        asked_use_reentrant=as_bool(asked.get("use_reentrant")),
         asked_from=asked_from,
         asked_kwargs=asked,
         trainable_params=1,
@@ -490,7 +493,7 @@ def version_of(dist: Any) -> str | None:
 
 
 def _embeddings_trainable(model: Any) -> bool | None:
-    embeddings = _input_embeddings(model)
+    embeddings = input_embeddings(model)
     params = list(embeddings.parameters()) if embeddings is not None else []
     return any(p.requires_grad for p in params) if params else None
 
@@ -524,7 +527,8 @@ def _grad_enabled() -> bool:
     return bool(torch.is_grad_enabled()) if torch is not None else True
 
 
-def _as_bool(value: Any) -> bool | None:
+def as_bool(value: Any) -> bool | None:
+    """An asked flag as the facts hold it: None where nothing was asked."""
     return None if value is None else bool(value)
 
 

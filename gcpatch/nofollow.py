@@ -53,24 +53,10 @@ def open_under(directory: str, name: str, flags: int, mode: int = 0o600) -> int:
             try:
                 fd = os.open(part, _DIR_FLAGS | _NOFOLLOW, dir_fd=stack[-1])
             except FileNotFoundError:
-                try:
-                    os.mkdir(part, 0o700, dir_fd=stack[-1])
-                except FileExistsError:  # another rank made it between the open and here
-                    pass
-                fd = os.open(part, _DIR_FLAGS | _NOFOLLOW, dir_fd=stack[-1])
+                fd = _made(part, stack[-1])
             except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                info = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
-                if not stat.S_ISLNK(info.st_mode):
-                    raise
                 shown = "/" + "/".join([*walked, part])
-                if info.st_uid not in (uid, 0):
-                    raise ForeignLink(
-                        errno.EPERM,
-                        f"{shown} is a symbolic link owned by another user (uid {info.st_uid}),"
-                        " which gcpatch never follows",
-                    ) from None
+                _own_link(exc, part, stack[-1], shown, uid)
                 links += 1
                 if links > _MAX_LINKS:
                     raise OSError(errno.ELOOP, f"too many symbolic links at {shown}") from None
@@ -87,3 +73,28 @@ def open_under(directory: str, name: str, flags: int, mode: int = 0o600) -> int:
     finally:
         for fd in stack:
             os.close(fd)
+
+
+def _made(part: str, parent: int) -> int:
+    """The directory `part` inside `parent`, made and opened."""
+    try:
+        os.mkdir(part, 0o700, dir_fd=parent)
+    except FileExistsError:  # another rank made it between the open and here
+        pass
+    return os.open(part, _DIR_FLAGS | _NOFOLLOW, dir_fd=parent)
+
+
+def _own_link(exc: OSError, part: str, parent: int, shown: str, uid: int) -> None:
+    """Whether the open that raised `exc` met a symbolic link this user (or root) owns, which is
+    followed; `exc` itself where it met no link, ForeignLink where another user owns it."""
+    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+        raise exc
+    info = os.stat(part, dir_fd=parent, follow_symlinks=False)
+    if not stat.S_ISLNK(info.st_mode):
+        raise exc
+    if info.st_uid not in (uid, 0):
+        raise ForeignLink(
+            errno.EPERM,
+            f"{shown} is a symbolic link owned by another user (uid {info.st_uid}),"
+            " which gcpatch never follows",
+        ) from None

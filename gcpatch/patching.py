@@ -17,7 +17,7 @@ import types
 from typing import TYPE_CHECKING, Any, Callable
 
 from gcpatch import import_hooks
-from gcpatch.caller import call_from, user_frame
+from gcpatch.call.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
 
 if TYPE_CHECKING:  # not imported at run time: arming (at the first framework import) stays cheap
@@ -408,8 +408,9 @@ def _stands_for(
     return wrapper
 
 
-# The one code object of every plain-function wrapper: torch.compile may be told to run its fresh
-# frames eagerly (gcpatch.checkpoint_call), which leaves inlining it into a traced frame as it is.
+# The one code object of every plain-function wrapper: torch.compile may be told to run its
+# fresh frames eagerly (gcpatch.call.checkpoint_call), which leaves inlining it into a traced frame
+# as it is.
 FUNCTION_WRAPPER_CODE = _function_wrapper(len, _passthrough).__code__
 # The frames between a patched function's caller and its plugin's wrapper: the wrapper, and the
 # guard of a point armed before the plugins load (torch's checkpoint and its copies).

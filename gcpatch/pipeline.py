@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from gcpatch import apply, checkpoint_call, context, engine, record, resolve, settings
+from gcpatch import apply, context, engine, record, resolve, settings
 from gcpatch import facts as facts_mod
+from gcpatch.call import checkpoint_call
 from gcpatch.context import EnableCall
 from gcpatch.errors import GcpatchError
 from gcpatch.manager import PluginFailure

@@ -1,37 +1,13 @@
-"""The public plugin API: everything a gcpatch plugin imports, and nothing else is promised.
+"""The public plugin API: everything a gcpatch plugin imports, and nothing else is promised
+(docs/PLUGINS.md says how a plugin is written and what each word means; examples/gcpatch-acme).
 
-A plugin is a module registered under the entry-point group `gcpatch.plugins` (see
-examples/gcpatch-acme and docs/PLUGINS.md). It implements, with `@hookimpl`:
-
-- `gcpatch_plugin_info() -> PluginInfo`: its name, the framework distribution and the PEP 440
-  range it supports, and its table of `Rule`s (a vote may cite only a declared rule);
-- `gcpatch_patch_points() -> list[PatchPoint]`: where its framework decides (wrapped lazily, at
-  the module's import, restored on `gcpatch.deactivate()`);
-- `gcpatch_vote(facts: Facts) -> list[Vote]`: its rules' votes on one decision, from `facts` alone
-  (so every rank decides the same); optionally `gcpatch_call_vote(facts: CallFacts)` for one
-  `torch.utils.checkpoint` call and `gcpatch_facts(facts)` to publish what other plugins' rules
-  read (`facts.framework_facts`).
-
-A patch point hands the framework's enable to the pipeline as an `EnableCall` (`run_enable`),
-its disable to `run_disable`, a config decided before any model exists to `run_config` (facts
-from `for_config`), and a wrap after the enable to `redecide` / `redecide_within`.
-
-The words a vote uses: the knobs USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX,
-RUN_INLINE, LIFT_BOUND_TENSORS (a checkpoint call's bound graph tensors passed as its inputs),
-GRAD_INPUT (one more input that requires grad, reentrant kept), TUPLE_OUTPUTS (the result through
-the checkpoint as a flat tuple); the strengths REQUIRED (a correctness fix) and RECOMMENDED (a
-default the user's ask overrides); what a required vote avoids, WRONG_GRADIENTS, CRASH,
-NO_MEMORY_SAVED (a conflict goes to the worse failure). ZERO3_NONREENTRANT_RECOMPUTE is the
-framework fact the deepspeed plugin publishes (True: this DeepSpeed recomputes ZeRO-3 frozen
-parameters under non-reentrant checkpointing) for other plugins' rules to read.
-
-The same words as enums: `Knob`, `Strength`, `Failure`, `Stage` (when a decision is taken:
-CONFIG, ENABLE, FIRST_FORWARD, CALL), `Source`; they compare equal to their strings, so
-`facts.stage == Stage.ENABLE` reads what a record says. `facts.stacks` holds a `Stack` per
-checkpointed stack.
-
-`BUILTIN_ONLY` names the internals built-in plugins still reach where this API cannot serve
-them; they are not part of it and may change in any release.
+A plugin implements, with `@hookimpl`, `gcpatch_plugin_info`, `gcpatch_patch_points`,
+`gcpatch_vote` and optionally `gcpatch_call_vote` and `gcpatch_facts`. The words a vote uses: the
+knobs USE_REENTRANT, INPUT_GRADS_HOOK, USE_CACHE_OFF, EVAL_MODE_FIX, RUN_INLINE,
+LIFT_BOUND_TENSORS, GRAD_INPUT, TUPLE_OUTPUTS; the strengths REQUIRED and RECOMMENDED; the
+failures a required vote avoids, WRONG_GRADIENTS, CRASH, NO_MEMORY_SAVED; the framework fact
+ZERO3_NONREENTRANT_RECOMPUTE. `BUILTIN_ONLY` names the internals built-in plugins still reach:
+they are not part of the API and may change in any release.
 """
 
 from __future__ import annotations
@@ -120,8 +96,8 @@ BUILTIN_ONLY = {
     ),
     "gcpatch.context": "transformers: the Trainer whose train() is running (X3)",
     "gcpatch.mrope_mask": "transformers: the Qwen3 multimodal text models' mask of ones (X6)",
-    "gcpatch.checkpoint_call": "torch: the checkpoint-call decision itself (CK1-CK5)",
-    "gcpatch.reentrant_grads": "torch: gradients asked for through reentrant checkpoints (CK6)",
+    "gcpatch.call.checkpoint_call": "torch: the checkpoint-call decision itself (CK1-CK5)",
+    "gcpatch.call.reentrant_grads": "torch: gradients taken through reentrant checkpoints (CK6)",
     "gcpatch.agreement": "ddp: the rank agreement at DDP construction (R4)",
     "gcpatch.verify": "the pytest plugin: the verify fixture",
 }

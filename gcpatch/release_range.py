@@ -36,18 +36,34 @@ def _clause(clause: str, candidate: Version) -> bool | None:
         return None
     text = clause[len(op) :].strip()
     if text.endswith(".*"):
-        if op not in ("==", "!=") or not all(p.isdigit() for p in text[:-2].split(".")):
-            return None
-        matched = _prefix(candidate, tuple(int(p) for p in text[:-2].split(".")))
-        return matched if op == "==" else not matched
+        return _release_prefix(op, text[:-2], candidate)
+    bound = _plain_bound(text)
+    return None if bound is None else _compare(op, bound, candidate)
+
+
+def _release_prefix(op: str, prefix: str, candidate: Version) -> bool | None:
+    """`==X.Y.*` or `!=X.Y.*`; None for any other operator or prefix."""
+    if op not in ("==", "!=") or not all(p.isdigit() for p in prefix.split(".")):
+        return None
+    matched = _prefix(candidate, tuple(int(p) for p in prefix.split(".")))
+    return matched if op == "==" else not matched
+
+
+def _plain_bound(text: str) -> Version | None:
+    """A comparison's bound where it is a final public release; None where packaging's rules for
+    it are needed (a local version, a pre-, post- or dev-release, an epoch, a legacy version)."""
     if "+" in text:
-        return None  # a local version in the range: packaging's rules for it
+        return None
     try:
         bound = Version(text)
     except InvalidVersion:
         return None  # packaging says what it is (before 22 it read legacy versions)
     if bound.pre or bound.post is not None or bound.dev is not None or bound.epoch:
-        return None  # a pre-, post- or dev-release as the bound: packaging's rules for it
+        return None
+    return bound
+
+
+def _compare(op: str, bound: Version, candidate: Version) -> bool:
     public = Version(candidate.public)
     if op == "==":
         return public == bound

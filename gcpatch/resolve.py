@@ -1,20 +1,13 @@
-"""Resolving votes into one decision.
+"""Resolving votes into one decision (docs/HOW-IT-WORKS.md, "Votes").
 
 Per knob the strongest vote wins: required > user > recommended > default. A recommendation the
-user's explicit ask overrules is only recorded, unless it names a cost the ask pays (`kept_cost`):
-then the user is told (a performance cost is no reason to change a correct choice). A required vote
-against the user's explicit choice wins in fix mode (with a warning), loses in warn mode
-(with a warning) and raises in strict mode. Required votes that disagree are settled by the
-failure each avoids, and both reasons are recorded. Strict mode changes nothing on its own
-(docs/HOW-IT-WORKS.md, "Strict mode"): a rule that would change the model's state (R5, CK2) raises
-here; the other changes (the input-grads hook, a call's rewrites) raise where they
-would take effect (`refusal`, from gcpatch/pipeline.py and gcpatch/checkpoint_call.py).
-
-The outcome never depends on the order the votes arrive in (plugin order): votes are taken in
-a canonical order, and votes of equal standing that disagree (required votes avoiding equally
-bad failures, or two recommendations) are settled by the tie rule: the value PyTorch recommends
-for the knob (use_reentrant=False, torch.utils.checkpoint docs), else the value of the lowest
-rule id. The record says it was a tie, not a ranking.
+user's explicit ask overrules is only recorded, or told where it names a cost the ask pays
+(`kept_cost`). A required vote against the user's explicit choice wins in fix mode, loses in warn
+mode (both with a warning) and raises in strict mode; required votes that disagree go to the worse
+failure avoided. Strict mode changes nothing itself: R5 and CK2 raise here, other changes where
+they take effect (`refusal`). The outcome never depends on plugin order: votes are taken in a
+canonical order, and a tie goes to the value PyTorch recommends for the knob (use_reentrant=False,
+torch.utils.checkpoint docs), else to the lowest rule id's; the record says it was a tie.
 """
 
 from __future__ import annotations

@@ -226,10 +226,8 @@ def memory_budget() -> object:
 
 
 def budget_levers() -> bool:
-    """GCPATCH_BUDGET_LEVERS: `all` (the default) lets the budget's plan use every lever between
-    plain and whole a layer offers; `whole` keeps it to whole layers (the levers' costs are read
-    off a clock at the first step, so a plan with them can differ from run to run; over like
-    layers, whole ones are chosen by their bytes alone)."""
+    """GCPATCH_BUDGET_LEVERS: `all` (the default) lets the budget's plan use every lever a layer
+    offers; `whole` keeps it to whole layers."""
 
     def parse(raw: str) -> bool:
         value = raw.strip().lower()

@@ -1,21 +1,12 @@
-"""torch FSDP: which parameters a module sees changes when FSDP wraps it (FSDP1's
-`FullyShardedDataParallel`, FSDP2's `fully_shard`, both as accelerate's FSDP plugin uses them), and
-FSDP's own activation checkpointing (`apply_activation_checkpointing` / `checkpoint_wrapper`)
-checkpoints blocks that transformers may checkpoint too. Both are facts of the decision
-(gcpatch/facts.py `fsdp_facts`), taken again when FSDP wraps the model or adds its wrappers, as
-DDP's wrap is (R4): the record says what FSDP did, and the rules decide with the wrapped model.
+"""torch FSDP (FSDP1's `FullyShardedDataParallel`, FSDP2's `fully_shard`, as accelerate uses them)
+and its own activation checkpointing: facts of the decision (gcpatch/facts.py `fsdp_facts`), taken
+again when FSDP wraps the model or adds its wrappers, as DDP's wrap is (R4).
 
-Where the checkpoint call encloses FSDP's unshard, reentrant recompute runs it again inside
-backward; non-reentrant recompute does not (F2; integration/test_fsdp_all_gather.py counts them).
-Which FSDP is enclosed depends on where the checkpoint sits (`Facts.checkpoint_site`):
-- "loop" (families before GradientCheckpointingLayer: `_gradient_checkpointing_func(layer.__call__)`
-  on the wrapped layer): FSDP1's wrapper, whose second all-gather is transformers#30404 /
-  pytorch#105635, and FSDP2's hooks;
-- "layer_call" (GradientCheckpointingLayer.__call__ checkpoints `nn.Module.__call__`, transformers
-  4.52-5.22): FSDP2's hooks, whose forward prefetch runs again; FSDP1's wrapper stays outside;
-- "layer_forward" (transformers 5.23+ checkpoints `forward` alone): neither, and F2 does not vote.
-It is a cost, not a failure: F2 recommends non-reentrant, and an explicit reentrant ask is kept
-and told the cost.
+F2: where the checkpoint call encloses FSDP's unshard, reentrant recompute runs it again inside
+backward (FSDP1: transformers#30404, pytorch#105635; FSDP2: its forward prefetch). Which FSDP is
+enclosed depends on `Facts.checkpoint_site`: "loop" both, "layer_call" (transformers 4.52-5.22)
+FSDP2's hooks, "layer_forward" (5.23+) neither. A cost, not a failure: F2 recommends
+non-reentrant, and keeps an explicit reentrant ask, told the cost.
 """
 
 from __future__ import annotations

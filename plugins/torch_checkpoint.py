@@ -10,7 +10,7 @@ others are decided by the rules below, from the call's own arguments, and the ca
 
 from __future__ import annotations
 
-from gcpatch import checkpoint_call, reentrant_grads
+from gcpatch.call import checkpoint_call, reentrant_grads
 from gcpatch.plugin import (
     CRASH,
     GRAD_INPUT,
@@ -69,7 +69,7 @@ RULES = (
         " decision (R1-R6, P1, R3, R4, a user's ask, with their strength); only the call's own"
         " evidence (CK1, CK5) outranks it, and the record and the line say which evidence overrode"
         " which rule",
-        "gcpatch/checkpoint_call.py",
+        "gcpatch/call/checkpoint_call.py",
         documents=True,
     ),
     Rule(
@@ -96,7 +96,7 @@ RULES = (
         " when the gradients are taken. Elsewhere torch's error carries the note naming"
         " use_reentrant=False",
         "torch/utils/checkpoint.py (CheckpointFunction.backward: "
-        "'torch.utils.checkpoint is incompatible with .grad()'), gcpatch/reentrant_grads.py",
+        "'torch.utils.checkpoint is incompatible with .grad()'), gcpatch/call/reentrant_grads.py",
         documents=True,
     ),
     Rule(

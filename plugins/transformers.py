@@ -243,8 +243,19 @@ def gcpatch_patch_points() -> list[PatchPoint]:
 
 @hookimpl
 def gcpatch_vote(facts: Facts) -> list[Vote]:
+    if facts.stage == Stage.CONFIG:
+        return _config_votes(facts)
+    if facts.stage == Stage.ENABLE:
+        return _enable_votes(facts)
+    if facts.stage == Stage.FIRST_FORWARD:
+        return _first_forward_votes(facts)
+    return []
+
+
+def _config_votes(facts: Facts) -> list[Vote]:
+    """R1 at a config's enable: a config that freezes part of the model."""
     votes: list[Vote] = []
-    if facts.stage == Stage.CONFIG and facts.partially_frozen and not _zero3_needs_reentrant(facts):
+    if facts.partially_frozen and not _zero3_needs_reentrant(facts):
         votes.append(
             Vote(
                 USE_REENTRANT,
@@ -257,97 +268,116 @@ def gcpatch_vote(facts: Facts) -> list[Vote]:
                 short="partly frozen: layers would get no gradients",
             )
         )
-    if facts.stage == Stage.ENABLE:
-        starved = _stacks_without_input_grads(facts)
-        hooked = _stacks_without_input_grads(facts, served_by_hook=True) if not starved else ""
-        custom = (
-            ""
-            if not facts.checkpoint_function
-            else (
-                f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may"
-                " run reentrant whatever it is asked (offloading checkpointers): gcpatch also puts"
-                " the input-grads hook (R2) in place; without it, those blocks' weights get no"
-                " gradients (by hand: enable_input_require_grads)"
-            )
-        )
-        if hooked and not _zero3_needs_reentrant(facts):
-            votes.append(
-                Vote(
-                    USE_REENTRANT,
-                    False,
-                    RECOMMENDED,
-                    "R1",
-                    hooked
-                    + "; under reentrant the input-grads hook on the input embeddings' output (R2)"
-                    " gives them one, so an explicit reentrant is kept; non-reentrant needs no"
-                    " hook" + custom,
-                    short=_starved_short(facts, hooked=True),
-                )
-            )
-        if starved and not _zero3_needs_reentrant(facts):
-            starved += custom
-            votes.append(
-                Vote(
-                    USE_REENTRANT,
-                    False,
-                    REQUIRED,
-                    "R1",
-                    starved,
-                    avoids=WRONG_GRADIENTS,
-                    short=_starved_short(facts),
-                )
-            )
-        if facts.trainable_in_checkpointed_layers:
-            votes.append(
-                Vote(
-                    INPUT_GRADS_HOOK,
-                    True,
-                    REQUIRED,
-                    "R2",
-                    "checkpointed layers train: under reentrant their first input must require grad"
-                    " (frozen embeddings, inputs_embeds; X2)",
-                    avoids=WRONG_GRADIENTS,
-                    short="checkpointed layers train",
-                )
-            )
-        if not _drops_cache_itself(facts):
-            votes.extend(
-                _cache_off(
-                    facts,
-                    "transformers 4.x turns it off in every training forward with a logger call,"
-                    " a graph break under torch.compile"
-                    if _own_runners(facts)
-                    else "the forward that runs the checkpointed layers is not transformers' own,"
-                    " which turns the cache off in training",
-                )
-            )
-    elif facts.stage == Stage.FIRST_FORWARD and facts.grad_enabled and facts.layers_in_eval_mode:
+    return votes
+
+
+def _enable_votes(facts: Facts) -> list[Vote]:
+    """R1 (layers whose inputs need no gradient), R2 (the input-grads hook), R6 (the cache off)."""
+    votes = _starved_votes(facts)
+    if facts.trainable_in_checkpointed_layers:
         votes.append(
             Vote(
-                EVAL_MODE_FIX,
+                INPUT_GRADS_HOOK,
                 True,
                 REQUIRED,
-                "R5",
-                f"{facts.layers_in_eval_mode} of {facts.checkpointed_layers} checkpointed layers"
-                " are in eval mode at the first training forward: checkpointing would silently do"
-                " nothing",
-                avoids=NO_MEMORY_SAVED,
-                short="else no memory saved",
-                unmet=(
-                    "R5: checkpointing is off in eval mode and this model family's layers cannot be"
-                    " switched without changing their forward; call model.train() before training"
-                ),
+                "R2",
+                "checkpointed layers train: under reentrant their first input must require grad"
+                " (frozen embeddings, inputs_embeds; X2)",
+                avoids=WRONG_GRADIENTS,
+                short="checkpointed layers train",
             )
         )
-        if _drops_cache_itself(facts):  # else R6 voted at the enable
-            votes.extend(
-                _cache_off(
-                    facts,
-                    "the model is in eval mode, where transformers keeps the cache on: it would"
-                    " hold every checkpointed layer's keys and values",
-                    on_only=True,
-                )
+    if not _drops_cache_itself(facts):
+        votes.extend(
+            _cache_off(
+                facts,
+                "transformers 4.x turns it off in every training forward with a logger call,"
+                " a graph break under torch.compile"
+                if _own_runners(facts)
+                else "the forward that runs the checkpointed layers is not transformers' own,"
+                " which turns the cache off in training",
             )
+        )
+    return votes
+
+
+def _starved_votes(facts: Facts) -> list[Vote]:
+    """R1 at the enable: checkpointed stacks whose inputs need no gradient, served by the
+    input-grads hook under reentrant (recommended) or not (required)."""
+    votes: list[Vote] = []
+    starved = _stacks_without_input_grads(facts)
+    hooked = _stacks_without_input_grads(facts, served_by_hook=True) if not starved else ""
+    custom = (
+        ""
+        if not facts.checkpoint_function
+        else (
+            f"; the layers call {facts.checkpoint_function}, not torch's checkpoint, which may"
+            " run reentrant whatever it is asked (offloading checkpointers): gcpatch also puts"
+            " the input-grads hook (R2) in place; without it, those blocks' weights get no"
+            " gradients (by hand: enable_input_require_grads)"
+        )
+    )
+    if hooked and not _zero3_needs_reentrant(facts):
+        votes.append(
+            Vote(
+                USE_REENTRANT,
+                False,
+                RECOMMENDED,
+                "R1",
+                hooked
+                + "; under reentrant the input-grads hook on the input embeddings' output (R2)"
+                " gives them one, so an explicit reentrant is kept; non-reentrant needs no"
+                " hook" + custom,
+                short=_starved_short(facts, hooked=True),
+            )
+        )
+    if starved and not _zero3_needs_reentrant(facts):
+        starved += custom
+        votes.append(
+            Vote(
+                USE_REENTRANT,
+                False,
+                REQUIRED,
+                "R1",
+                starved,
+                avoids=WRONG_GRADIENTS,
+                short=_starved_short(facts),
+            )
+        )
+    return votes
+
+
+def _first_forward_votes(facts: Facts) -> list[Vote]:
+    """R5 (layers left in eval mode at the first training forward) and R6 where it waited."""
+    votes: list[Vote] = []
+    if not (facts.grad_enabled and facts.layers_in_eval_mode):
+        return votes
+    votes.append(
+        Vote(
+            EVAL_MODE_FIX,
+            True,
+            REQUIRED,
+            "R5",
+            f"{facts.layers_in_eval_mode} of {facts.checkpointed_layers} checkpointed layers"
+            " are in eval mode at the first training forward: checkpointing would silently do"
+            " nothing",
+            avoids=NO_MEMORY_SAVED,
+            short="else no memory saved",
+            unmet=(
+                "R5: checkpointing is off in eval mode and this model family's layers cannot be"
+                " switched without changing their forward; call model.train() before training"
+            ),
+        )
+    )
+    if _drops_cache_itself(facts):  # else R6 voted at the enable
+        votes.extend(
+            _cache_off(
+                facts,
+                "the model is in eval mode, where transformers keeps the cache on: it would"
+                " hold every checkpointed layer's keys and values",
+                on_only=True,
+            )
+        )
     return votes
 
 

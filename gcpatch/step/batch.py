@@ -64,24 +64,6 @@ def _tokens(torch: Any, value: Any, kwargs: Mapping[str, Any]) -> int | None:
     return int(value.shape[1]) if value.dim() == 2 and integer else None
 
 
-def first_tokens(torch: Any, value: Any, full: int, tokens: int, name: str = "") -> Any:
-    """Every tensor of a (sliced) batch cut to its first `tokens` of `full` tokens: each dimension
-    after the rows whose length is `full` (a mask of rows x 1 x tokens x tokens in both), a
-    1-dimensional cache_position too, and inputs_embeds in its token dimension only."""
-
-    def cut(tensor: Any, key: str) -> Any:
-        if tensor.dim() == 1:
-            return tensor[:tokens] if key in NOT_BATCHED and tensor.shape[0] == full else tensor
-        dims = [1] if key == "inputs_embeds" else range(1, tensor.dim())
-        index = [slice(None)] * tensor.dim()
-        for dim in dims:
-            if tensor.shape[dim] == full:
-                index[dim] = slice(0, tokens)
-        return leaf(tensor, tensor[tuple(index)])
-
-    return _each(torch, value, cut, name)
-
-
 def first_rows(torch: Any, value: Any, batch: int, rows: int, name: str = "") -> Any:
     """The first `rows` rows of every tensor whose first dimension is the batch, as new leaves
     (the user's graph upstream of the model is never reached), keeping requires_grad."""

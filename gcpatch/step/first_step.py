@@ -1,14 +1,14 @@
-"""The first training step of each model gcpatch decided for, from one pair of hooks per model:
-verify before its forward, the memory budget's plan after that forward (before its backward).
+"""The first training steps of each model gcpatch decided for, from one pair of hooks per model:
+verify before the first forward, the memory budget's probe through the first step, its plan
+before the second.
 
 A pre-hook and a forward hook sit on the model, and on its base model (peft < 0.18 enters the
 model's `forward` without a module call: then only the base model's hooks run). At the first
 forward that builds a graph (not one of gcpatch's own passes, not inside torch.compile's tracing,
 not one asking for a KV cache): verify runs (GCPATCH_VERIFY=1) and may correct the set-up before
-the user's forward does; when that forward returns, the planner measures and plans
-(GCPATCH_MEMORY_BUDGET). With both, the next training forward, the first with the plan in place, is
-counted too. Then the hooks are gone. A deep copy of the model (TRL's reference model, an EMA
-copy) made while they wait gets hooks of its own, bound to the copy; a pickle names the model.
+the user's forward does; the budget's probe (GCPATCH_MEMORY_BUDGET) reads that step's forward and
+backward, and the next training forward gets the plan. With verify too, that forward is counted.
+Then the hooks are gone. A deep copy of the model made while they wait gets hooks of its own.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from gcpatch.step.training import compiled_training_forward, training_forward
 
 log = logging.getLogger("gcpatch")
 
-# waiting: for the first training forward; forward: it runs, the plan is made when it returns;
-# confirm: the next training forward is counted (verify + budget); done: the hooks are gone
-WAITING, FORWARD, CONFIRM, DONE = "waiting", "forward", "confirm", "done"
+# waiting: for the first training forward; forward: it runs probed; probed: its backward may run,
+# the next training forward gets the plan; confirm: that forward is counted (verify + budget);
+# done: the hooks are gone
+WAITING, FORWARD, PROBED, CONFIRM, DONE = "waiting", "forward", "probed", "confirm", "done"
 
 
 class FirstStep:
@@ -44,8 +45,8 @@ class FirstStep:
         self.budget, self.verifying, self.correct = chosen, verifying, correct
         self.phase = WAITING
         self.entered: Any = None  # the module whose forward this step is (the model or its base)
-        self.batch: tuple | None = None  # the first forward's (args, kwargs), until it returns
-        self.outcome: dict = {}
+        self.probe: planner.Probe | None = None
+        self.outcome: planner.Outcome | None = None
         self.confirmation: planner.Confirmation | None = None
         self.before, self.after = _Before(self), _After(self)
         self.handles: list[Any] = []
@@ -71,17 +72,44 @@ class FirstStep:
         if model is None:
             self.finish()
             return
-        if self.phase in (WAITING, FORWARD):  # FORWARD: an earlier first forward never returned
+        if self.phase == WAITING:
             self.entered = module
-            if self.phase == WAITING and self.verifying:
+            if self.verifying:
                 verify.run(model, module, args, kwargs, self.correct)
-            if self.budget is None:
-                self.finish()
-                return
-            self.phase, self.batch = FORWARD, (args, kwargs)
-        elif self.phase == CONFIRM:
-            self.confirmation = planner.Confirmation(context.name(model), self.outcome, model)
-            self.confirmation.__enter__()
+            self._probe(model, args, kwargs)
+        elif self.phase in (FORWARD, PROBED):  # FORWARD: the probed forward never returned
+            self._plan(model, module, args, kwargs)
+        elif self.phase == CONFIRM and self.confirmation is None:
+            self._confirm(model)
+
+    def _probe(self, model: Any, args: tuple, kwargs: dict) -> None:
+        if self.budget is None:
+            self.finish()
+            return
+        found = planner.start(model, args, kwargs, self.budget)
+        if isinstance(found, planner.Outcome):
+            planner.report(context.name(model), self.budget, found)
+            self.finish()
+            return
+        self.probe, self.phase = found, FORWARD
+
+    def _plan(self, model: Any, module: Any, args: tuple, kwargs: dict) -> None:
+        probe, self.probe = self.probe, None
+        if probe is None:
+            self.finish()
+            return
+        self.outcome = planner.plan(model, module, args, kwargs, self.budget, probe)
+        if self.outcome is None:  # the probed step showed too little: this one is probed
+            self._probe(model, args, kwargs)
+        elif self.verifying and self.outcome.planned:
+            self._confirm(model)
+        else:
+            self.finish()
+
+    def _confirm(self, model: Any) -> None:
+        self.phase = CONFIRM
+        self.confirmation = planner.Confirmation(context.name(model), self.outcome, model)
+        self.confirmation.__enter__()
 
     def returned(self, module: Any, output: Any) -> None:
         if module is not self.entered or invisible.active():
@@ -93,32 +121,15 @@ class FirstStep:
                 return
             confirmation.done(output)
             self.finish()
-        elif self.phase == FORWARD and self.batch is not None and output is not None:
-            self._plan(module)
-
-    def _plan(self, module: Any) -> None:
-        model = self.model() if self.model is not None else None
-        (args, kwargs), self.batch = self.batch, None
-        if model is None:
-            self.finish()
-            return
-        try:
-            self.outcome = planner.plan(model, module, args, kwargs, self.budget)
-        except BaseException:  # KeyboardInterrupt while measuring: plan again at the next forward
-            self.phase = WAITING
-            log.warning(
-                "gcpatch: memory budget for %s: measuring was interrupted; its state is restored"
-                " and it is planned again at the next training forward",
-                type(model).__name__,
-            )
-            raise
-        if self.verifying and "flags" in self.outcome:
-            self.phase = CONFIRM
-        else:
-            self.finish()
+        elif self.phase == FORWARD and self.probe is not None:
+            self.probe.forward_done()
+            self.phase = PROBED
 
     def finish(self) -> None:
         self.phase = DONE
+        if self.probe is not None:
+            probe, self.probe = self.probe, None
+            probe.finish()
         for handle in self.handles:
             handle.remove()
         self.handles.clear()

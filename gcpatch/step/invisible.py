@@ -1,6 +1,6 @@
 """What keeps gcpatch's own passes at the first step invisible to the user's job.
 
-A pass (verify's two passes on one row, the budget's measuring forwards) runs the user's model
+A pass (verify's two passes on one row) runs the user's model
 outside the user's step. It must leave nothing behind and change nothing the step sees: the RNG
 streams are forked and rewound (torch's, each device's, Python's), the buffers are put back,
 checkpointing flags a pass changed are restored, and the user's own module hooks do not run (a
@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Iterator
 
-from gcpatch import console
+from gcpatch import console, context
 from gcpatch.facts import passes_kv_cache
 
 log = logging.getLogger("gcpatch")
@@ -43,19 +43,18 @@ _HOOK_DICTS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
-_running = [0]  # passes in progress (nested: a pass inside a pass)
 
 
 def active() -> bool:
     """Whether one of gcpatch's own passes is running now."""
-    return _running[0] > 0
+    return context.in_own_pass()
 
 
 @contextlib.contextmanager
 def gcpatch_pass(torch: Any, model: Any, keep_rng: bool = True) -> Iterator[None]:
     """Run a pass of gcpatch's own on `model`: `active()` is true, the user's hooks are off, the
     buffers and (with `keep_rng`) the RNG streams are as they were afterwards."""
-    _running[0] += 1
+    context.own_pass_began()
     try:
         with _user_hooks_off(torch, model), _buffers_kept(torch, model):
             if keep_rng:
@@ -64,7 +63,7 @@ def gcpatch_pass(torch: Any, model: Any, keep_rng: bool = True) -> Iterator[None
             else:
                 yield
     finally:
-        _running[0] -= 1
+        context.own_pass_ended()
 
 
 @contextlib.contextmanager

@@ -1,18 +1,13 @@
 """A budgeted model's plan at every training step, chosen by the step's batch shape.
 
-Once the first step measured the model (gcpatch/step/planner.py), a forward pre-hook on the module
-that step entered looks at each training forward's (rows, tokens) and applies the plan for it
-before the forward runs, through the layers' own `gradient_checkpointing` flags: a shape seen
-before takes its cached plan (a dictionary lookup), a new one is solved from the cost model
-(gcpatch/step/cost_model.py; no measuring forward). A fraction is a fraction of that step's own
-activations without checkpointing; a size holds for every step; `auto` is what the device has left
-at that step. Forwards without gradients (eval, generate), inside torch.compile's tracing or asking
-for a KV cache plan nothing, and a model whose checkpointing the user disabled is left alone.
-
-Said: the first plan (the planner's line), then one line for a shape whose plan differs from it the
-first time, for each new largest shape, and for the first shape the budget cannot be met at (full
-checkpointing, the floor), at most MAX_LINES in all; every new shape's plan goes to the record
-(the first MAX_RECORDED of them) and to DEBUG.
+Once the first step was probed (gcpatch/step/planner.py), a forward pre-hook on the module that
+step entered applies each training forward's plan before it runs, through the layers' own flags
+and checkpoint functions: a shape seen before takes its cached plan, a new one is solved from the
+cost model (gcpatch/step/cost_model.py). A fraction is of that step's own activations without
+checkpointing; a size holds for every step; `auto` is what the device has left at that step.
+Forwards without gradients, inside torch.compile's tracing or asking for a KV cache plan nothing.
+Said: the first plan, then a shape with another plan, each new largest shape and the first below
+the floor, at most MAX_LINES lines; every new shape's plan to the record (MAX_RECORDED) and DEBUG.
 """
 
 from __future__ import annotations
@@ -27,9 +22,11 @@ from typing import Any
 from gcpatch import budget as budget_mod
 from gcpatch import context, headline, lifetime, record, settings
 from gcpatch.ranks import rank
-from gcpatch.step import feed_forward, offload, selective, solver
+from gcpatch.step import levers, plan_lines, receipts, solver
 from gcpatch.step.batch import shape
 from gcpatch.step.cost_model import CostModel
+from gcpatch.step.levers.offload import accelerator_of
+from gcpatch.step.outcome import plan_dict
 from gcpatch.step.training import training_forward
 
 log = logging.getLogger("gcpatch")
@@ -85,29 +82,26 @@ class ShapePlans:
         self.recorded = 0
         self.said_changed = self.said_floor = False
         self.handle: Any = None
-        # each layer's own checkpoint function, and the same under each selective lever, with its
-        # policy (none where the layer does not offer them)
-        self.funcs = [selective.own(vars(m).get("_gradient_checkpointing_func")) for m in layers]
-        self.policies: list[dict[str, selective.Keep]] = [
-            {lever: selective.Keep(lever) for lever in selective.LEVERS}
-            if selective.offered(f)
-            else {}
-            for f in self.funcs
-        ]
+        # each layer's own checkpoint function, and it under each lever the layer is offered
+        self.funcs = [levers.own(vars(m).get("_gradient_checkpointing_func")) for m in layers]
         self.lever_funcs: list[dict[str, Any]] = [
-            {lever: selective.keeping(f, p) for lever, p in policies.items()}
-            for f, policies in zip(self.funcs, self.policies)
+            {
+                lever.name: lever.wrap(f, m)
+                for lever in levers.every()
+                if lever is not levers.WHOLE and lever.name in c.held and f is not None
+            }
+            for m, f, c in zip(layers, self.funcs, costs.layers if costs is not None else [])
         ]
-        # around its feed-forward block, and offloaded, where the layer offers them
-        # (gcpatch/step/feed_forward.py, gcpatch/step/offload.py)
-        for m, f, funcs in zip(layers, self.funcs, self.lever_funcs):
-            if selective.splittable(m):
-                funcs[solver.FEED_FORWARD] = feed_forward.FeedForward(f, feed_forward.block(m))
-            if selective.offloadable(m):
-                funcs[solver.OFFLOAD] = offload.Offload(f)
         self.misfired: set[tuple[int, str]] = set()  # (layer, lever) that did nothing
         self.checked: set[str] = set()  # the levers whose firing was checked
         self.ran = False  # a training forward ran with a plan this hook applied
+        self.after: Any = None
+        self.receipts = (
+            receipts.Receipts(name, accelerator_of(model) is not None)
+            if settings.read().verify and model is not None
+            else None
+        )
+        self.tighter: dict[tuple, float] = {}  # shape key -> what its step overshot its plan by
 
     def plan_for(self, rows: int, tokens: int, available: float | None = None) -> solver.Plan:
         """The plan for this shape (and, under `auto`, this much room): cached, or solved."""
@@ -116,10 +110,13 @@ class ShapePlans:
         if found is not None:
             self.plans.move_to_end(key)
             return found
-        layers, outside = self.costs.layers(rows, tokens)
-        plain = outside + sum(layer.plain for layer in layers)
-        found = solver.solve(layers, outside, self.chosen.limit(plain, available))
+        layers, outside, baseline = self.costs.at(rows, tokens)
+        limit = self.chosen.limit(baseline, available) / self.tighter.get(key, 1.0)
+        found = solver.solve(layers, outside, limit)
+        found.baseline = baseline
         self.plans[key] = found
+        if self.receipts is not None and key not in self.tighter:
+            self.receipts.start(key, found)
         if len(self.plans) > MAX_CACHED:
             self.plans.popitem(last=False)
         self._said(rows, tokens, found)
@@ -142,37 +139,38 @@ class ShapePlans:
         that way whose policy kept nothing (whose block never ran, that moved nothing) did not do
         what the plan assumed; it checkpoints whole from now on, said once per lever (every lever
         checked: nothing to do, on every later step)."""
-        if not self.ran or self.last is None or len(self.checked) == len(solver.FILLED):
+        if not self.ran or self.last is None:
             return
         modes = self.last.modes
-        levers = {mode for mode in modes if mode in solver.FILLED} - self.checked
-        if not levers:
+        fresh = {mode for i, mode in enumerate(modes) if mode in self.lever_funcs[i]}
+        fresh -= self.checked
+        if not fresh:
             return
-        self.checked |= levers
-        idle = [(i, mode) for i, mode in enumerate(modes) if mode in levers and self._idle(i, mode)]
+        self.checked |= fresh
+        idle = [(i, mode) for i, mode in enumerate(modes) if mode in fresh and self._idle(i, mode)]
         if not idle:
             return
         self.misfired.update(idle)
         self.plans.clear()  # solved again without the lever where it misfired
-        for i, mode in idle:
-            self.costs.lever(mode)[1][i] = None  # type: ignore[index]
-        for lever in solver.FILLED:
-            layers = [i for i, mode in idle if mode == lever]
+        for lever in levers.every():
+            layers = [i for i, mode in idle if mode == lever.name]
+            for i in layers:
+                self.costs.drop(i, lever.name, f"{lever.title} {lever.idle} in a step")
             if layers:
                 log.warning(
                     "gcpatch: rank %d budget %s: %s %s in layer(s) %s%s; they checkpoint"
                     " whole from the next step",
                     rank(),
                     self.name,
-                    selective.NAMED[lever].name,
-                    selective.NAMED[lever].idle,
+                    lever.title,
+                    lever.idle,
                     ", ".join(map(str, layers)),
-                    self._why(layers, lever),
+                    self._why(layers, lever.name),
                 )
 
     def _why(self, layers: list[int], lever: str) -> str:
         """Why offloading moved nothing, where a copy to the host failed (the first reason)."""
-        if lever != solver.OFFLOAD:
+        if not getattr(levers.get(lever), "below_whole", False):
             return ""
         failed = [getattr(self.lever_funcs[i].get(lever), "failed", None) for i in layers]
         reason = next((why for why in failed if why), None)
@@ -180,14 +178,8 @@ class ShapePlans:
 
     def _idle(self, i: int, mode: str) -> bool:
         """Whether layer i's lever did nothing in the forwards it ran."""
-        if mode == solver.OFFLOAD:
-            wrapper = self.lever_funcs[i].get(mode)
-            return wrapper is not None and wrapper.moved == 0
-        if mode == solver.FEED_FORWARD:
-            wrapper = self.lever_funcs[i].get(mode)
-            return wrapper is not None and wrapper.ran == 0
-        policy = self.policies[i].get(mode)
-        return policy is not None and policy.kept == 0
+        lever = levers.get(mode)
+        return lever is not None and not lever.fired(self.lever_funcs[i][mode])
 
     def __call__(self, module: Any, args: tuple, kwargs: dict | None = None) -> None:
         """The pre-hook: this forward's plan, before it runs. Fails open (the flags as they are)."""
@@ -223,11 +215,11 @@ class ShapePlans:
 
     def _said(self, rows: int, tokens: int, plan: solver.Plan) -> None:
         size = budget_mod.size
-        kept = selective.kept_text(plan.modes) + solver.search_text(plan.exact)
+        kept = plan_lines.levers_text(plan) + solver.search_text(plan.exact)
         what = (
             f"{rows} x {tokens} tokens: {plan.count} of {len(plan.checkpoint)} layers"
             f" checkpointed{kept};"
-            f" activations {size(plan.total)} of {size(plan.plain_total)} without checkpointing"
+            f" activations {size(plan.total)} of {size(plan.baseline)} without checkpointing"
             f" (budget {size(plan.limit)})"
         )
         if self.first is None:  # the planner's own first line says it
@@ -266,20 +258,38 @@ class ShapePlans:
                 settings.read().record_dir,
             )
 
+    def returned(self, module: Any, args: tuple, output: Any) -> None:
+        """After a forward (GCPATCH_VERIFY=1): a new shape's receipt; over its plan, that shape is
+        planned again."""
+        if self.receipts is None:
+            return
+        try:
+            over = self.receipts.done(output)
+        except Exception as exc:  # noqa: BLE001 (fail open: the step goes on uncounted)
+            log.error("gcpatch: rank %d budget %s: no receipt (%s)", rank(), self.name, exc)
+            return
+        if over is not None:
+            key, ratio = over
+            self.tighter[key] = self.tighter.get(key, 1.0) * ratio
+            self.plans.pop(key, None)
+
     def install(self, module: Any) -> None:
-        """The pre-hook on `module` (the model, or the base model its forward enters); these plans
-        replace any the model had."""
+        """The pre-hook on `module` (the model, or the base model its forward enters), and with
+        GCPATCH_VERIFY=1 a forward hook for the receipts; these plans replace any the model had."""
         model = self.model()
         old = _plans.get(model)
         if old is not None:
             old.remove()
         self.handle = module.register_forward_pre_hook(self, with_kwargs=True)
+        if self.receipts is not None:
+            self.after = module.register_forward_hook(self.returned, always_call=True)
         _plans[model] = self
 
     def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
+        for handle in (self.handle, self.after):
+            if handle is not None:
+                handle.remove()
+        self.handle = self.after = None
 
     def __deepcopy__(self, memo: dict) -> ShapePlans:
         """A deep copy of the model (a reference or EMA copy) gets plans of its own, bound to the
@@ -312,25 +322,6 @@ def _nothing() -> None:
 
 def _unpickled(model: Any, layers: list, costs: CostModel, chosen: Any, name: str) -> ShapePlans:
     return ShapePlans(model, layers, costs, chosen, name)
-
-
-def plan_dict(found: solver.Plan) -> dict:
-    return {
-        "modes": found.modes,
-        "kept_matmuls": found.kept_matmuls,
-        "kept_attention": found.kept_attention,
-        "checkpointed": found.count,
-        "layers": len(found.checkpoint),
-        "limit_bytes": found.limit,
-        "plain_bytes": found.plain_total,
-        "floor_bytes": found.floor,
-        "planned_bytes": found.total,
-        "recompute_s": found.recompute_s,
-        "full_recompute_s": found.full_recompute_s,
-        "every_n_layers": found.every_n_layers(),
-        "below_floor": found.below_floor,
-        "exact": found.exact,
-    }
 
 
 def _bucket(available: float | None, chosen: budget_mod.Budget) -> int | None:

@@ -13,34 +13,27 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-PLAIN, KEEP_MATMULS, KEEP_ATTENTION, FULL = "plain", "keep-matmuls", "keep-attention", "full"
-# checkpointed whole with its inputs in host memory (gcpatch/step/offload.py): below whole's bytes,
-# for the copies' time besides the recompute; only where the layers run on an accelerator
-OFFLOAD = "offload"
-# run plain with its feed-forward block alone checkpointed (gcpatch/step/feed_forward.py)
-FEED_FORWARD = "feed-forward"
-# the levers between plain and whole (gcpatch/step/selective.py, gcpatch/step/feed_forward.py)
-SELECTIVE = (KEEP_ATTENTION, KEEP_MATMULS, FEED_FORWARD)
-# the modes a group of like layers is filled with after its whole ones, in this order
-FILLED = (*SELECTIVE, OFFLOAD)
-# the modes that recompute a layer's matrix multiplies: whole (offloaded or not), keeping only the
-# attention kernel's output (its projections and MLP run again), and its feed-forward block alone
-RECOMPUTES_MATMULS = (FULL, KEEP_ATTENTION, OFFLOAD, FEED_FORWARD)
+from gcpatch.step import levers
+
+PLAIN = "plain"
 # Beyond this many Pareto points (distinct sums of bytes shed) the exact search is cut short, and
 # the greedy over each layer's convex hull of options is taken instead (`_greedy_cover`: within one
 # layer's recompute of the cheapest; the plan records it is not exact). Like layers give few points;
-# layers that each hold other bytes (MoE layers routed differently) many: 80 such layers took 4 to
-# 11 s to solve at 20000, in the step's pre-hook, and take well under one at this bound.
+# layers that each hold other bytes (MoE layers routed differently) many.
 MAX_FRONT = 2000
-# Plans whose measured recompute is within this share of full checkpointing's of the cheapest are
-# one price on this clock: the lever's measured cost moved by more between runs on a shared CPU
-# (keeping the matmuls measured 0.16 to 0.35 of a whole layer for one model). Among them the plan
-# recomputing the fewest matmuls wins (`_fewest_matmuls`, `LayerCost.redone`): their FLOPs,
-# counted on one layer, do not move with the clock. Weighed by seconds instead, a CI run's loaded
-# clock planned 1 whole layer and 6 with the feed-forward block alone (0.37 of full checkpointing's
-# FLOPs): where the block alone measures above half a whole layer that plan is both the cheapest
-# and the fewest matmul seconds, while 8 so recompute 0.33 (tests/unit/test_budget.py).
+# Plans whose recompute is within this share of full checkpointing's of the cheapest are one
+# price: among them the plan recomputing the fewest matmul FLOPs wins (`_fewest_matmuls`).
 SLACK = 0.05
+
+
+def _whole() -> str:
+    return levers.WHOLE.name
+
+
+def _between(mode: str) -> bool:
+    """A lever between plain and whole (not whole, not one below it)."""
+    lever = levers.get(mode)
+    return lever is not None and lever is not levers.WHOLE and not lever.below_whole
 
 
 def search_text(exact: bool) -> str:
@@ -51,35 +44,30 @@ def search_text(exact: bool) -> str:
     return " (greedy: within one layer's recompute of the cheapest)"
 
 
-@dataclass(frozen=True)
+@dataclass
 class LayerCost:
-    """One checkpointable layer, measured: bytes it holds after the forward plain and checkpointed,
-    and the seconds its recompute costs. `kind` groups layers that are interchangeable."""
+    """One checkpointable layer at one shape: the bytes it holds after the forward in each mode
+    (plain, and each lever it is offered), what each adds to the backward (`cost`, seconds), and
+    each lever's share of whole's matmul FLOPs (`counted`). `kind` groups interchangeable layers."""
 
     name: str
-    plain: float
-    checkpointed: float
-    seconds: float
-    kind: str = ""
-    # checkpointed keeping its matmuls' outputs, and keeping only its attention kernel's
-    # (gcpatch/step/selective.py): bytes held and seconds per step; None where not available
-    kept: float | None = None
-    kept_seconds: float = 0.0
-    attention: float | None = None
-    attention_seconds: float = 0.0
-    # checkpointed whole with its inputs offloaded to host memory (gcpatch/step/offload.py)
-    offloaded: float | None = None
-    offloaded_seconds: float = 0.0
-    # run plain with its feed-forward block alone checkpointed (gcpatch/step/feed_forward.py)
-    feed_forward: float | None = None
-    feed_forward_seconds: float = 0.0
-    # what each lever recomputes of the layer's matmul FLOPs, as a share of whole's (counted on
-    # one layer, gcpatch/step/flops.py): (mode, share) pairs; empty where not counted
-    matmuls: tuple[tuple[str, float], ...] = ()
+    kind: str
+    held_by: dict[str, float]
+    cost_by: dict[str, float]
+    counted: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def plain(self) -> float:
+        return self.held_by[PLAIN]
+
+    @property
+    def seconds(self) -> float:
+        """Whole's recompute."""
+        return self.cost_by.get(_whole(), 0.0)
 
     @property
     def shed(self) -> float:
-        return self.plain - self.checkpointed
+        return self.plain - self.held(_whole()) if _whole() in self.held_by else 0.0
 
     @property
     def least(self) -> float:
@@ -92,53 +80,47 @@ class LayerCost:
 
     def held(self, mode: str) -> float:
         """The bytes the layer holds after its forward in `mode`."""
-        return {
-            PLAIN: self.plain,
-            KEEP_MATMULS: self.kept,
-            KEEP_ATTENTION: self.attention,
-            FULL: min(self.plain, self.checkpointed),
-            OFFLOAD: self.offloaded,
-            FEED_FORWARD: self.feed_forward,
-        }[mode] or 0.0
+        if mode == _whole():
+            return min(self.plain, self.held_by.get(mode, self.plain))
+        return self.held_by.get(mode) or 0.0
 
     def cost(self, mode: str) -> float:
         """What running the layer in `mode` adds to the backward, in seconds."""
-        return {
-            PLAIN: 0.0,
-            KEEP_MATMULS: self.kept_seconds,
-            KEEP_ATTENTION: self.attention_seconds,
-            FULL: self.seconds,
-            OFFLOAD: self.offloaded_seconds,
-            FEED_FORWARD: self.feed_forward_seconds,
-        }[mode]
+        return 0.0 if mode == PLAIN else self.cost_by.get(mode, 0.0)
 
     def redone(self, mode: str) -> float:
         """The matmuls running in `mode` recomputes, in seconds of the layer's whole recompute:
-        its counted FLOPs' share of whole's (whole and offloaded: all of them), else, not counted,
-        the mode's seconds where it recomputes matmuls (RECOMPUTES_MATMULS)."""
-        counted = dict(self.matmuls)
-        if counted and mode in (FULL, OFFLOAD):
-            return self.seconds
-        if mode in counted:
-            return counted[mode] * self.seconds
-        return self.cost(mode) if mode in RECOMPUTES_MATMULS else 0.0
+        its counted FLOPs' share of whole's."""
+        if mode == PLAIN:
+            return 0.0
+        return self.counted.get(mode, 1.0) * self.seconds
+
+    def group_key(self) -> tuple:
+        return (
+            self.kind,
+            tuple(sorted(self.held_by.items())),
+            tuple(sorted(self.cost_by.items())),
+            tuple(sorted(self.counted.items())),
+        )
 
     def options(self) -> list[tuple[str, float, float]]:
         """(mode, bytes shed, seconds) of each useful way to run this layer, plain first: a lever
         between plain and whole where it holds less than plain for less than a whole recompute,
-        offloading where it holds less than whole."""
+        one below whole where it holds less than whole."""
         out = [(PLAIN, 0.0, 0.0)]
-        for mode, held in (
-            (KEEP_ATTENTION, self.attention),
-            (KEEP_MATMULS, self.kept),
-            (FEED_FORWARD, self.feed_forward),
-        ):
-            if held is not None and held < self.plain and self.cost(mode) < self.seconds:
-                out.append((mode, self.plain - held, self.cost(mode)))
-        if self.shed > 0:
-            out.append((FULL, self.shed, self.seconds))
-        if self.offloaded is not None and self.offloaded < min(self.plain, self.checkpointed):
-            out.append((OFFLOAD, self.plain - self.offloaded, self.offloaded_seconds))
+        whole = _whole()
+        for mode in self.held_by:
+            if not _between(mode):
+                continue
+            if self.held(mode) < self.plain and self.cost(mode) < self.seconds:
+                out.append((mode, self.plain - self.held(mode), self.cost(mode)))
+        if whole in self.held_by and self.shed > 0:
+            out.append((whole, self.shed, self.seconds))
+        for mode in self.held_by:
+            lever = levers.get(mode)
+            if lever is not None and lever.below_whole and whole in self.held_by:
+                if self.held(mode) < self.held(whole):
+                    out.append((mode, self.plain - self.held(mode), self.cost(mode)))
         return out
 
 
@@ -157,6 +139,7 @@ class Plan:
     full_recompute_s: float
     exact: bool = True
     names: list[str] = field(default_factory=list)
+    baseline: float = 0.0  # what the user's job holds at this shape without checkpointing
 
     @property
     def checkpoint(self) -> list[bool]:
@@ -166,17 +149,13 @@ class Plan:
     def count(self) -> int:
         return sum(self.checkpoint)
 
-    @property
-    def kept_matmuls(self) -> int:
-        return sum(mode == KEEP_MATMULS for mode in self.modes)
-
-    @property
-    def kept_attention(self) -> int:
-        return sum(mode == KEEP_ATTENTION for mode in self.modes)
-
-    @property
-    def offloaded(self) -> int:
-        return sum(mode == OFFLOAD for mode in self.modes)
+    def counts(self) -> dict[str, int]:
+        """How many layers run under each lever but whole."""
+        out: dict[str, int] = {}
+        for mode in self.modes:
+            if mode not in (PLAIN, _whole()):
+                out[mode] = out.get(mode, 0) + 1
+        return out
 
     @property
     def below_floor(self) -> bool:
@@ -185,7 +164,7 @@ class Plan:
     def every_n_layers(self) -> int | None:
         """The `every_n_layers` of transformers' enable that expresses this plan (layer i
         checkpoints whole iff i % n == 0, no selective or offloaded layer), or None."""
-        if any(mode in FILLED for mode in self.modes):
+        if any(mode not in (PLAIN, _whole()) for mode in self.modes):
             return None
         n_layers = len(self.modes)
         for n in range(1, n_layers + 1):
@@ -196,12 +175,13 @@ class Plan:
 
 def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
     """The plan holding at most `limit` bytes with the least recompute (ties: fewer bytes held);
-    a limit below the floor gives every layer its option holding the fewest bytes (whole, or
-    offloaded where it can be). Each layer's options
-    (`LayerCost.options`) make it a multiple-choice knapsack, solved exactly over the Pareto front
-    of (bytes shed, seconds). Where a layer has a selective lever, the plans within SLACK of full
-    checkpointing's recompute of the cheapest count as one price, and the one recomputing the
-    fewest matmuls among them is taken."""
+    a limit below the floor gives every layer its option holding the fewest bytes. Each layer's
+    options (`LayerCost.options`) make it a multiple-choice knapsack, solved exactly over the
+    Pareto front of (bytes shed, seconds). With levers between plain and whole, the plans within
+    SLACK of full checkpointing's recompute of the cheapest are one price and the one recomputing
+    the fewest matmul FLOPs wins. A lever priced no lower than its counted FLOPs
+    (gcpatch/step/cost_model.py) so never makes a plan recompute more of them than the cheapest
+    plan of whole layers alone: that plan is within the bound, or dearer than the one taken."""
     plain_total = outside + sum(layer.plain for layer in layers)
     floor = outside + sum(layer.least for layer in layers)
     full_s = sum(layer.seconds for layer in layers if layer.shed > 0)
@@ -217,7 +197,7 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
         if found is None:
             exact = False
             found = _greedy_cover(layers, need)
-        elif any(mode in SELECTIVE for layer in layers for mode, _, _ in layer.options()):
+        elif any(_between(mode) for layer in layers for mode, _, _ in layer.options()):
             cheapest = sum(layers[i].cost(mode) for i, mode in found)
             found = _fewest_matmuls(layers, need, cheapest + SLACK * full_s) or found
         for i, mode in found:
@@ -272,13 +252,10 @@ def _fewest_matmuls(
     layers: Sequence[LayerCost], need: float, bound: float
 ) -> list[tuple[int, str]] | None:
     """Exact: among the choices shedding at least `need` bytes within `bound` seconds, the one
-    whose matmul recompute (`LayerCost.redone`: counted FLOPs, else the seconds of its layers in
-    RECOMPUTES_MATMULS) is least (ties: fewer seconds). Interchangeable layers are one group
-    (`_groups`), chosen by how many of them run in each mode (`_mixes`, of which only those no
-    other mix of the group beats on bytes shed, seconds and matmul recompute at once can be part
-    of the best); the states kept between groups are those no other shedding as much beats on
-    both seconds and matmul recompute (`_undominated`), and that can still shed `need` with the
-    groups left. None when they outgrow MAX_FRONT."""
+    whose matmul recompute (`LayerCost.redone`) is least (ties: fewer seconds). Like layers are
+    one group (`_groups`), chosen by how many of them run in each mode (`_mixes`, undominated
+    only); between groups only the states no other shedding as much beats on seconds and matmul
+    recompute at once (`_undominated`). None when they outgrow MAX_FRONT."""
     groups = list(_groups(layers).values())
     picks, mixes = [], []
     for members in groups:
@@ -442,13 +419,15 @@ def _spread(layers: Sequence[LayerCost], modes: list[str]) -> list[str]:
     transformers' `every_n_layers` would pick where it can; the selective ones fill in after
     them, each lever (and offloading) spread over the layers left."""
     out = list(modes)
+    whole = _whole()
+    filled = [lever.name for lever in levers.every() if lever is not levers.WHOLE]
     for members in _groups(layers).values():
-        full = sum(modes[i] == FULL for i in members)
+        full = sum(modes[i] == whole for i in members)
         spots = [members[(j * len(members)) // full] for j in range(full)] if full else []
         rest = [i for i in members if i not in spots]
         for i in members:
-            out[i] = FULL if i in spots else PLAIN
-        for lever in FILLED:
+            out[i] = whole if i in spots else PLAIN
+        for lever in filled:
             count = sum(modes[i] == lever for i in members)
             taken = [rest[(j * len(rest)) // count] for j in range(count)] if count else []
             for i in taken:
@@ -458,22 +437,8 @@ def _spread(layers: Sequence[LayerCost], modes: list[str]) -> list[str]:
 
 
 def _groups(layers: Sequence[LayerCost]) -> dict[tuple, list[int]]:
-    """Interchangeable layers: the same kind, bytes and seconds."""
+    """Interchangeable layers: the same kind, bytes, seconds and counted FLOPs."""
     groups: dict[tuple, list[int]] = {}
     for i, layer in enumerate(layers):
-        key = (
-            layer.kind,
-            layer.plain,
-            layer.checkpointed,
-            layer.seconds,
-            layer.kept,
-            layer.kept_seconds,
-            layer.attention,
-            layer.attention_seconds,
-            layer.offloaded,
-            layer.offloaded_seconds,
-            layer.feed_forward,
-            layer.feed_forward_seconds,
-        )
-        groups.setdefault(key, []).append(i)
+        groups.setdefault(layer.group_key(), []).append(i)
     return groups

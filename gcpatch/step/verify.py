@@ -502,7 +502,7 @@ def _counting(
     """The block's checkpoint function, counting its runs. The function goes to the checkpoint as
     `Counted`, which gcpatch's call decision unwraps: a closure around it would hide a partial's
     bound tensors, and the checked pass would run a call the user's step does not (CK1, CK5)."""
-    from gcpatch.checkpoint_call import Counted
+    from gcpatch.call.checkpoint_call import Counted
 
     calls = [0]
 

@@ -13,7 +13,8 @@ from importlib import metadata
 
 import pytest
 
-from gcpatch import cli, record
+from gcpatch import record
+from gcpatch.commands import cli
 
 GCPATCH = [sys.executable, "-m", "gcpatch"]
 ALL_PLUGINS = "torch,transformers,peft,trl,deepspeed,ddp,axolotl,colossalai,fsdp"

@@ -21,7 +21,8 @@ from testkit.harness import child_env, messages
 from testkit.harness import run as harness_run
 from testkit.subproc import requires_transformers
 
-from gcpatch import explain, headline
+from gcpatch import headline
+from gcpatch.commands import explain
 
 pytestmark = [
     requires_transformers,

@@ -20,7 +20,8 @@ from testkit.faultkit import FAULTS, run, tally
 from testkit.harness import child_env, messages, parse_results
 from testkit.subproc import requires_transformers
 
-from gcpatch import cli, explain, nofollow, record
+from gcpatch import nofollow, record
+from gcpatch.commands import cli, explain
 
 VICTIM_TEXT = "the user's own file\n"
 
@@ -358,7 +359,7 @@ def _explain_proc(path, tmp_path, **env):
     from testkit.harness import run_python
 
     return run_python(
-        f"from gcpatch.cli import main; raise SystemExit(main(['explain', {str(path)!r}]))",
+        f"from gcpatch.commands.cli import main; raise SystemExit(main(['explain', {str(path)!r}]))",
         tmp_path,
         PYTHONIOENCODING="utf-8",
         **env,
@@ -413,7 +414,9 @@ def test_explain_reads_fields_of_the_wrong_type_and_names_what_it_skips(tmp_path
     from testkit.harness import run_python
 
     argv = ["explain", str(record_dir)] + (["-v"] if verbose else [])
-    proc = run_python(f"from gcpatch.cli import main; raise SystemExit(main({argv!r}))", tmp_path)
+    proc = run_python(
+        f"from gcpatch.commands.cli import main; raise SystemExit(main({argv!r}))", tmp_path
+    )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     for said in (
         "gcpatch: M: use_reentrant True -> False (?)",  # the winner read as absent

@@ -147,7 +147,7 @@ def test_an_unsupported_release_is_said_once_per_job(tmp_path, rank, said):
 def test_doctor_shows_proven_range_against_the_installed_version(tmp_path):
     site = stub_site(tmp_path, "2.0")
     proc = run_python(
-        "from gcpatch.cli import main; raise SystemExit(main(['doctor']))",
+        "from gcpatch.commands.cli import main; raise SystemExit(main(['doctor']))",
         tmp_path,
         PYTHONPATH=str(site),
         GCPATCH_DISABLE_PLUGINS=_builtins(),
@@ -165,7 +165,8 @@ def test_doctor_shows_proven_range_against_the_installed_version(tmp_path):
 def test_doctor_without_any_framework_runs(tmp_path):
     """The engine starts and doctor prints on every claimed Python, frameworks or not."""
     proc = run_python(
-        "from gcpatch.cli import main; raise SystemExit(main(['doctor', '--no-import']))", tmp_path
+        "from gcpatch.commands.cli import main; raise SystemExit(main(['doctor', '--no-import']))",
+        tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     assert "plugins" in proc.stdout and "Traceback" not in proc.stderr

@@ -4,7 +4,6 @@ small cases."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 from unittest import mock
@@ -14,8 +13,52 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gcpatch.budget import parse
-from gcpatch.step import solver
+from gcpatch.step import plan_lines, solver
+from gcpatch.step.outcome import Outcome
 from gcpatch.step.solver import LayerCost, solve
+
+BETWEEN = ("keep-attention", "keep-matmuls", "feed-forward")
+
+
+def cost(
+    name,
+    plain,
+    whole,
+    seconds,
+    kind="",
+    kept=None,
+    kept_seconds=0.0,
+    attention=None,
+    attention_seconds=0.0,
+    offloaded=None,
+    offloaded_seconds=0.0,
+    feed_forward=None,
+    feed_forward_seconds=0.0,
+    matmuls=(),
+):
+    """A layer's costs by each mode's bytes and seconds; `matmuls`: (lever, share of whole's
+    matmul FLOPs) counted, else each lever's seconds' share of whole's stands in (none for
+    keeping the matmuls)."""
+    held = {"plain": plain, "whole": whole}
+    spent = {"whole": seconds}
+    for mode, h, s in (
+        ("keep-matmuls", kept, kept_seconds),
+        ("keep-attention", attention, attention_seconds),
+        ("offload-inputs", offloaded, offloaded_seconds),
+        ("feed-forward", feed_forward, feed_forward_seconds),
+    ):
+        if h is not None:
+            held[mode], spent[mode] = h, s
+    counted = dict(matmuls)
+    for mode in spent:
+        if mode not in counted:
+            share = spent[mode] / seconds if seconds else 1.0
+            counted[mode] = {"whole": 1.0, "offload-inputs": 1.0, "keep-matmuls": 0.0}.get(
+                mode, share
+            )
+        if mode in ("whole", "offload-inputs"):
+            counted[mode] = 1.0
+    return LayerCost(name, kind, held, spent, counted)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +139,7 @@ def _exhaustive(layers, outside, limit):
     """The least recompute over all 2^n plans holding at most `limit` (ties: fewer bytes held)."""
     best = None
     for flags in itertools.product((False, True), repeat=len(layers)):
-        total = outside + sum(l.checkpointed if f else l.plain for l, f in zip(layers, flags))
+        total = outside + sum(l.held("whole") if f else l.plain for l, f in zip(layers, flags))
         if total > limit:
             continue
         cost = sum(l.seconds for l, f in zip(layers, flags) if f)
@@ -106,9 +149,7 @@ def _exhaustive(layers, outside, limit):
 
 
 layer_st = st.builds(
-    lambda plain, kept, seconds: LayerCost(
-        "l", float(plain), float(min(kept, plain)), seconds / 10
-    ),
+    lambda plain, kept, seconds: cost("l", float(plain), float(min(kept, plain)), seconds / 10),
     st.integers(1, 60),
     st.integers(0, 20),
     st.integers(0, 30),
@@ -130,12 +171,14 @@ def test_the_plan_is_as_cheap_as_exhaustive_search(layers, outside, fraction):
     assert not plan.below_floor and plan.exact
     assert plan.total <= limit + 1e-9
     assert plan.recompute_s == pytest.approx(best[0], abs=1e-9)
-    total = outside + sum(l.checkpointed if f else l.plain for l, f in zip(layers, plan.checkpoint))
+    total = outside + sum(
+        l.held("whole") if f else l.plain for l, f in zip(layers, plan.checkpoint)
+    )
     assert total == pytest.approx(plan.total)
 
 
 def test_identical_layers_checkpoint_evenly_as_every_n_layers_would():
-    layers = [LayerCost(str(i), 100.0, 10.0, 1.0, kind="Block") for i in range(8)]
+    layers = [cost(str(i), 100.0, 10.0, 1.0, kind="Block") for i in range(8)]
     plan = solve(layers, 0.0, 0.6 * 800)  # shed 320 bytes: 4 layers of 90
     assert plan.checkpoint == [True, False] * 4
     assert plan.count == 4 and plan.every_n_layers() == 2
@@ -148,14 +191,14 @@ def test_identical_layers_checkpoint_evenly_as_every_n_layers_would():
 
 
 def test_a_budget_below_the_floor_checkpoints_everything_and_names_the_floor():
-    layers = [LayerCost(str(i), 100.0, 10.0, 1.0) for i in range(4)]
+    layers = [cost(str(i), 100.0, 10.0, 1.0) for i in range(4)]
     plan = solve(layers, 50.0, 60.0)
     assert plan.below_floor and plan.checkpoint == [True] * 4
     assert plan.floor == 90.0 and plan.total == 90.0 and plan.plain_total == 450.0
 
 
 def test_layers_that_cost_more_checkpointed_are_never_checkpointed():
-    layers = [LayerCost("a", 10.0, 30.0, 1.0), LayerCost("b", 100.0, 10.0, 1.0)]
+    layers = [cost("a", 10.0, 30.0, 1.0), cost("b", 100.0, 10.0, 1.0)]
     assert solve(layers, 0.0, 50.0).checkpoint == [False, True]
     assert solve(layers, 0.0, 1.0).checkpoint == [
         False,
@@ -166,9 +209,9 @@ def test_layers_that_cost_more_checkpointed_are_never_checkpointed():
 def test_the_cheapest_plan_is_not_the_fewest_layers():
     """One big slow layer or two small quick ones: the quick ones recompute less."""
     layers = [
-        LayerCost("big", 100.0, 0.0, 5.0),
-        LayerCost("s1", 60.0, 0.0, 1.0),
-        LayerCost("s2", 60.0, 0.0, 1.0),
+        cost("big", 100.0, 0.0, 5.0),
+        cost("s1", 60.0, 0.0, 1.0),
+        cost("s2", 60.0, 0.0, 1.0),
     ]
     plan = solve(layers, 0.0, 120.0)  # shed 100
     assert plan.checkpoint == [False, True, True] and plan.recompute_s == 2.0
@@ -177,7 +220,7 @@ def test_the_cheapest_plan_is_not_the_fewest_layers():
 def test_a_front_too_large_falls_back_to_cheapest_per_byte_and_says_so(monkeypatch):
     monkeypatch.setattr(solver, "MAX_FRONT", 4)
     rng = random.Random(0)
-    layers = [LayerCost(str(i), float(rng.randint(50, 500)), 0.0, rng.random()) for i in range(12)]
+    layers = [cost(str(i), float(rng.randint(50, 500)), 0.0, rng.random()) for i in range(12)]
     plan = solve(layers, 0.0, 0.5 * sum(l.plain for l in layers))
     assert not plan.exact and plan.total <= plan.limit
 
@@ -185,18 +228,11 @@ def test_a_front_too_large_falls_back_to_cheapest_per_byte_and_says_so(monkeypat
 def _all(layer):
     """Every mode the layer has figures for, useful or not, but a selective lever costing no less
     than a whole recompute (not offered: solver.LayerCost.options): (mode, bytes shed, seconds)."""
-    held = {
-        "plain": layer.plain,
-        "keep-matmuls": layer.kept,
-        "keep-attention": layer.attention,
-        "full": min(layer.plain, layer.checkpointed),
-        "offload": layer.offloaded,
-        "feed-forward": layer.feed_forward,
-    }
+    held = {m: layer.held(m) for m in layer.held_by}
     return [
         (m, layer.plain - h, layer.cost(m))
         for m, h in held.items()
-        if h is not None and not (m in solver.SELECTIVE and layer.cost(m) >= layer.seconds)
+        if h is not None and not (m in BETWEEN and layer.cost(m) >= layer.seconds)
     ]
 
 
@@ -221,7 +257,7 @@ def _exhaustive_choices(layers, outside, limit, bound=None):
 
 choice_st = st.builds(
     lambda plain, ckpt, kept, attention, seconds, kept_share, attention_share, offload, split, flops: (
-        LayerCost(
+        cost(
             "l",
             float(plain),
             float(min(ckpt, plain)),
@@ -252,7 +288,7 @@ choice_st = st.builds(
     # the levers' counted matmul FLOPs over whole's, or none counted (their seconds stand in)
     st.one_of(
         st.just(()),
-        st.tuples(*(st.tuples(st.just(mode), st.floats(0.0, 1.0)) for mode in solver.SELECTIVE)),
+        st.tuples(*(st.tuples(st.just(mode), st.floats(0.0, 1.0)) for mode in BETWEEN)),
     ),
 )
 
@@ -289,13 +325,13 @@ def test_the_plan_with_a_finer_lever_is_as_cheap_as_exhaustive_search(layers, ou
     assert cheapest is not None and plan.exact
     assert plan.total <= limit + 1e-9
     full_s = sum(l.seconds for l in layers if l.shed > 0)
-    selective = any(m in solver.SELECTIVE for l in layers for m, *_ in l.options())
+    selective = any(m in BETWEEN for l in layers for m, *_ in l.options())
     bound = cheapest[0] + (solver.SLACK * full_s if selective else 0)
     assert plan.recompute_s <= bound + 1e-9
     matmul = sum(l.redone(m) for l, m in zip(layers, plan.modes))
     fewest = _exhaustive_choices(layers, outside, limit, bound + 1e-9)
     assert matmul == pytest.approx(fewest[1], abs=1e-9)
-    assert plan.every_n_layers() is None or set(plan.modes) <= {"plain", "full"}
+    assert plan.every_n_layers() is None or set(plan.modes) <= {"plain", "whole"}
 
 
 @settings(max_examples=300, deadline=None)
@@ -325,17 +361,17 @@ def test_past_the_front_limit_options_in_line_stay_steps_of_their_own():
     both lie on one line from plain. Dropped from the hull, the greedy's one step for that layer
     was plain to offloaded, and with the 2-unit layer taken at the same price per byte the plan
     cost 0.5 where checkpointing the last two whole holds the budget for 0.3 (the cheapest: 0.2)."""
-    free = LayerCost("l", 1.0, 0.0, 0.0, "")
+    free = cost("l", 1.0, 0.0, 0.0, "")
     layers = [
         free,
         free,
-        LayerCost("l", 2.0, 0.0, 0.1, ""),
-        LayerCost("l", 8.0, 4.0, 0.2, "", offloaded=0.0, offloaded_seconds=0.4),
+        cost("l", 2.0, 0.0, 0.1, ""),
+        cost("l", 8.0, 4.0, 0.2, "", offloaded=0.0, offloaded_seconds=0.4),
     ]
     with mock.patch.object(solver, "MAX_FRONT", 0):
         plan = solve(layers, 0.0, 6.0)
     assert not plan.exact and plan.total <= 6.0
-    assert plan.modes == ["full"] * 4 and plan.recompute_s == pytest.approx(0.3), plan
+    assert plan.modes == ["whole"] * 4 and plan.recompute_s == pytest.approx(0.3), plan
     assert _exhaustive_choices(layers, 0, 6.0)[0] == pytest.approx(0.2)
 
 
@@ -345,9 +381,11 @@ def test_plans_within_the_clocks_slack_go_to_the_fewest_whole_layers():
     the second is within 5% of full checkpointing's recompute of the first, and recomputes a
     third fewer matmul FLOPs; at r = 0.5 it costs 0.5 layers more, past the slack."""
     for share, whole, kept in ((0.2, 2, 6), (0.35, 2, 6), (0.4, 2, 6), (0.5, 3, 3)):
-        layer = LayerCost("l", 1.0, 0.05, 1.0, "block", kept=0.61, kept_seconds=share)
+        layer = cost("l", 1.0, 0.05, 1.0, "block", kept=0.61, kept_seconds=share)
         plan = solve([layer] * 8, 0.0, 4.0)
-        assert (plan.modes.count("full"), plan.kept_matmuls) == (whole, kept), share
+        assert (plan.modes.count("whole"), plan.counts().get("keep-matmuls", 0)) == (whole, kept), (
+            share
+        )
         assert plan.total <= 4.0
 
 
@@ -357,15 +395,24 @@ def test_within_the_slack_the_counted_matmul_flops_break_the_tie_not_the_seconds
     clock prices the MLP alone at 0.55 of a whole layer, 1 whole and 6 so is the cheapest by 0.1
     layer and the fewest matmul seconds too: 0.37 of full checkpointing's FLOPs. Its FLOPs counted,
     8 so, within the slack, recompute 0.33."""
-    layer = LayerCost("l", 39.5, 2.0, 1.0, "block", feed_forward=18.0, feed_forward_seconds=0.55)
-    counted = dataclasses.replace(layer, matmuls=(("feed-forward", 0.328),))
+    layer = cost("l", 39.5, 2.0, 1.0, "block", feed_forward=18.0, feed_forward_seconds=0.55)
+    counted = cost(
+        "l",
+        39.5,
+        2.0,
+        1.0,
+        "block",
+        feed_forward=18.0,
+        feed_forward_seconds=0.55,
+        matmuls=(("feed-forward", 0.328),),
+    )
     limit = 0.5 * (8.5 + 8 * 39.5)
 
     def flops(plan):
         return sum(counted.redone(mode) for mode in plan.modes) / 8
 
     by_seconds = solve([layer] * 8, 8.5, limit)
-    assert sorted(by_seconds.modes) == ["feed-forward"] * 6 + ["full"] + ["plain"]
+    assert sorted(by_seconds.modes) == ["feed-forward"] * 6 + ["plain", "whole"]
     assert flops(by_seconds) == pytest.approx(0.371)
     by_flops = solve([counted] * 8, 8.5, limit)
     assert by_flops.modes == ["feed-forward"] * 8 and by_flops.total <= limit
@@ -378,21 +425,28 @@ def test_offloading_is_taken_only_where_whole_layers_cannot_meet_the_budget():
     at 300 bytes whole layers meet it and no layer pays for the copies; at 60, below whole
     checkpointing's floor of 80, the fewest offloaded layers that reach it (3: 3 x 2 + 5 x 10 = 56)
     and the rest whole; at 10, below every option's floor, every layer offloaded."""
-    layer = LayerCost("l", 100.0, 10.0, 1.0, "block", offloaded=2.0, offloaded_seconds=1.3)
+    layer = cost("l", 100.0, 10.0, 1.0, "block", offloaded=2.0, offloaded_seconds=1.3)
     roomy = solve([layer] * 8, 0.0, 300.0)
-    assert roomy.offloaded == 0 and roomy.count == 6 and roomy.every_n_layers() is None
+    assert (
+        roomy.counts().get("offload-inputs", 0) == 0
+        and roomy.count == 6
+        and roomy.every_n_layers() is None
+    )
     tight = solve([layer] * 8, 0.0, 60.0)
-    assert (tight.offloaded, tight.modes.count("full")) == (3, 5) and tight.total == 56.0
+    assert (tight.counts().get("offload-inputs", 0), tight.modes.count("whole")) == (
+        3,
+        5,
+    ) and tight.total == 56.0
     assert not tight.below_floor and tight.every_n_layers() is None
     below = solve([layer] * 8, 0.0, 10.0)
-    assert below.below_floor and below.modes == ["offload"] * 8 and below.floor == 16.0
+    assert below.below_floor and below.modes == ["offload-inputs"] * 8 and below.floor == 16.0
     assert below.recompute_s == pytest.approx(8 * 1.3)
 
 
 def test_keeping_matmuls_is_chosen_where_it_sheds_enough_for_less():
     """Half the bytes to shed: two layers kept-matmuls (each sheds 30 of 50 for 1 s) beat one
     layer whole (sheds 45 for 5 s) plus anything."""
-    layer = LayerCost("l", 50.0, 5.0, 5.0, "block", kept=20.0, kept_seconds=1.0)
+    layer = cost("l", 50.0, 5.0, 5.0, "block", kept=20.0, kept_seconds=1.0)
     plan = solve([layer] * 4, 0.0, 140.0)
     assert plan.modes.count("keep-matmuls") == 2 and plan.count == 2
     assert plan.recompute_s == pytest.approx(2.0) and plan.total <= 140.0
@@ -404,12 +458,14 @@ def test_keeping_the_attention_output_takes_whole_layers_places_under_a_tight_bu
     attention lever is 5 whole, 2 keeping matmuls and 1 plain (5.5 layers' recompute); with it the
     5 run keeping their attention output instead (4.0)."""
     kwargs = {"kept": 60.0, "kept_seconds": 0.25}
-    layer = LayerCost("l", 100.0, 2.0, 1.0, "block", attention=4.0, attention_seconds=0.7, **kwargs)
+    layer = cost("l", 100.0, 2.0, 1.0, "block", attention=4.0, attention_seconds=0.7, **kwargs)
     plan = solve([layer] * 8, 0.0, 240.0)
-    without = solve([LayerCost("l", 100.0, 2.0, 1.0, "block", **kwargs)] * 8, 0.0, 240.0)
+    without = solve([cost("l", 100.0, 2.0, 1.0, "block", **kwargs)] * 8, 0.0, 240.0)
     assert plan.total <= 240.0 and without.total <= 240.0
-    assert plan.modes.count("full") == 0 and plan.kept_attention == 5, plan.modes
-    assert without.modes.count("full") == 5, without.modes
+    assert plan.modes.count("whole") == 0 and plan.counts().get("keep-attention", 0) == 5, (
+        plan.modes
+    )
+    assert without.modes.count("whole") == 5, without.modes
     assert plan.recompute_s == pytest.approx(4.0) and without.recompute_s == pytest.approx(5.5)
     assert plan.every_n_layers() is None
 
@@ -422,17 +478,19 @@ def test_past_the_front_limit_layers_still_take_the_levers():
     layers = []
     for i in range(12):
         f = rng.uniform(0.8, 1.2)
-        layers.append(LayerCost(str(i), 100 * f, 2 * f, f, "moe", 60 * f, 0.25 * f, 4 * f, 0.7 * f))
+        layers.append(cost(str(i), 100 * f, 2 * f, f, "moe", 60 * f, 0.25 * f, 4 * f, 0.7 * f))
     limit = 0.3 * sum(l.plain for l in layers)
     with mock.patch.object(solver, "MAX_FRONT", 10**6):
         exact = solve(layers, 0.0, limit)
     with mock.patch.object(solver, "MAX_FRONT", 0):
         greedy = solve(layers, 0.0, limit)
-    whole = solve(
-        [LayerCost(l.name, l.plain, l.checkpointed, l.seconds) for l in layers], 0.0, limit
-    )
+    whole = solve([cost(l.name, l.plain, l.held("whole"), l.seconds) for l in layers], 0.0, limit)
     assert exact.exact and not greedy.exact and greedy.total <= limit
-    assert greedy.modes.count("full") == 0 and greedy.kept_attention and greedy.kept_matmuls
+    assert (
+        greedy.modes.count("whole") == 0
+        and greedy.counts().get("keep-attention", 0)
+        and greedy.counts().get("keep-matmuls", 0)
+    )
     assert greedy.recompute_s <= exact.recompute_s + max(l.seconds for l in layers)
     assert greedy.recompute_s < whole.recompute_s - 2.0
 
@@ -440,16 +498,13 @@ def test_past_the_front_limit_layers_still_take_the_levers():
 def test_the_line_says_where_the_plan_is_greedy_and_not_where_it_is_exact():
     """Past the exact search's front the plan is within one layer's recompute of the cheapest,
     not proven cheapest: the plan's line says so, and says nothing of it for an exact plan."""
-    from gcpatch.step import planner
-    from gcpatch.step.shapes import plan_dict
-
-    layers = [LayerCost(f"{i}", 10.0 + i, 1.0, 1.0 + i / 10) for i in range(6)]
+    layers = [cost(f"{i}", 10.0 + i, 1.0, 1.0 + i / 10) for i in range(6)]
     limit = 0.5 * sum(layer.plain for layer in layers)
     chosen = parse("0.5")
     lines = {}
     for front in (0, 10**6):
         with mock.patch.object(solver, "MAX_FRONT", front):
             plan = solve(layers, 0.0, limit)
-        lines[plan.exact] = planner._line(chosen, {"plan": plan_dict(plan)})
+        lines[plan.exact] = plan_lines.line(chosen, Outcome(plan=plan))
     assert "greedy" in lines[False]  # in full where the two rows have room for it
     assert "greedy" not in lines[True]

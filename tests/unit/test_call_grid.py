@@ -26,7 +26,8 @@ def grid():
     """torch's own checkpoint, and gcpatch's call-site decision around it with the engine running."""
     import logging
 
-    from gcpatch import checkpoint_call, engine
+    from gcpatch import engine
+    from gcpatch.call import checkpoint_call
 
     logger = logging.getLogger("gcpatch")
     kept = (logger.level, logger.propagate, list(logger.handlers))

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from gcpatch import call_facts
+from gcpatch.call import call_facts
 
 
 def generic_key(function):

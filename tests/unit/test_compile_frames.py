@@ -12,7 +12,8 @@ import types
 import pytest
 
 torch = pytest.importorskip("torch")
-from gcpatch import checkpoint_call, patching  # noqa: E402
+from gcpatch import patching  # noqa: E402
+from gcpatch.call import checkpoint_call  # noqa: E402
 
 
 def test_each_frame_gcpatch_decides_in_is_handed_to_dynamo(caplog):

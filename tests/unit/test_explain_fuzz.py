@@ -26,7 +26,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from gcpatch import explain, headline  # noqa: E402
+from gcpatch import headline  # noqa: E402
+from gcpatch.commands import explain  # noqa: E402
 
 EXAMPLES = 3000  # each example is rendered plain and with -v
 
@@ -98,7 +99,8 @@ def _calls():
 @pytest.fixture(scope="module")
 def real_records(tmp_path_factory) -> list[str]:
     """The JSONL lines gcpatch wrote under GCPATCH_RECORD for the set-ups above."""
-    from gcpatch import checkpoint_call, engine
+    from gcpatch import engine
+    from gcpatch.call import checkpoint_call
 
     record_dir = tmp_path_factory.mktemp("record")
     logger = logging.getLogger("gcpatch")

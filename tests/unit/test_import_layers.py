@@ -12,27 +12,33 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "gcpatch"
 
 # The first training step's package (gcpatch/step/): one room of the orchestration layer.
-STEP = {
+STEP_ORDER = (
     "step",
     "step.batch",
-    "step.media",
     "step.invisible",
+    "step.training",
+    "step.verify",
     "step.held",
-    "step.heap",
+    "step.bytes",
+    "step.probe",
+    "step.levers.lever",
+    "step.levers.policy",
+    "step.levers.whole",
+    "step.levers.keep_matmuls",
+    "step.levers.keep_attention",
+    "step.levers.feed_forward",
+    "step.levers.offload",
+    "step.levers",
     "step.solver",
     "step.cost_model",
-    "step.swap",
-    "step.offload",
-    "step.feed_forward",
-    "step.flops",
-    "step.selective",
-    "step.layer_costs",
-    "step.training",
+    "step.outcome",
+    "step.plan_lines",
+    "step.receipts",
     "step.shapes",
-    "step.verify",
     "step.planner",
     "step.first_step",
-}
+)
+STEP = set(STEP_ORDER)
 # Lowest first. A module may import its own layer or any layer below it.
 LAYERS = (
     (
@@ -43,7 +49,8 @@ LAYERS = (
             "value_class",
             "settings",
             "lifetime",
-            "caller",
+            "call",
+            "call.caller",
             "import_hooks",
             "release_range",
             "headline",
@@ -51,27 +58,36 @@ LAYERS = (
             "budget",
         },
     ),
-    ("facts", {"ranks", "facts", "call_facts", "context"}),
+    ("facts", {"ranks", "facts", "call.call_facts", "context"}),
     ("rules", {"resolve"}),
     (
         "effects",
         {
             "apply",
-            "call_rewrites",
-            "curried_call",
+            "call.call_rewrites",
+            "call.curried_call",
             "console",
             "nofollow",
             "record",
             "crash_notes",
-            "reentrant_grads",
+            "call.reentrant_grads",
             "mrope_mask",
         },
     ),
     ("plugin runtime", {"patching", "deadline", "plugin_scan", "manager", "engine"}),
-    ("orchestration", {"checkpoint_call", "verify", "pipeline", "agreement"} | STEP),
+    ("orchestration", {"call.checkpoint_call", "verify", "pipeline", "agreement"} | STEP),
     (
         "switch and surfaces",
-        {"activation", "__init__", "plugin", "cli", "doctor", "explain", "__main__"},
+        {
+            "activation",
+            "__init__",
+            "plugin",
+            "commands",
+            "commands.cli",
+            "commands.doctor",
+            "commands.explain",
+            "__main__",
+        },
     ),
 )
 
@@ -236,3 +252,16 @@ def test_docs_layout_names_every_module_in_its_layer():
         for layer, names in LAYERS
         if names - documented.get(layer, set())
     } == {}
+
+
+def test_the_step_packages_map_lists_its_modules_in_the_order_data_flows():
+    """gcpatch/step/__init__.py's list is the layer table's, module for module and in order."""
+    doc = (PACKAGE / "step" / "__init__.py").read_text()
+    listed = ["step." + name for name in re.findall(r"^- `([\w.]+)`", doc, re.M)]
+    order = [name for name in STEP_ORDER if name != "step"]
+    assert listed == order
+    graph = imports()
+    later = {
+        name: sorted(set(graph.get(name, ())) & set(order[i + 1 :])) for i, name in enumerate(order)
+    }
+    assert {name: found for name, found in later.items() if found} == {}  # data flows down

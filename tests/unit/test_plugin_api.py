@@ -75,7 +75,8 @@ def test_every_exported_name_is_there_and_documented():
 
 
 def _gcpatch_imports(path: Path) -> set[str]:
-    """The gcpatch modules `path` imports from (a `from gcpatch import x` names module gcpatch.x)."""
+    """The gcpatch modules `path` imports from (a `from gcpatch import x` names module gcpatch.x,
+    a `from gcpatch.call import x` module gcpatch.call.x)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module == "gcpatch":
@@ -83,7 +84,11 @@ def _gcpatch_imports(path: Path) -> set[str]:
         elif (
             isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gcpatch.")
         ):
-            found.add(node.module)
+            package = ROOT.joinpath(*node.module.split("."))
+            if package.is_dir():
+                found |= {f"{node.module}.{a.name}" for a in node.names}
+            else:
+                found.add(node.module)
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("gcpatch.")}
     return found

@@ -19,10 +19,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "gcpatch"
 # Lives as long as the process, and why that is right.
 PROCESS = {
     "activation._active": "the switch itself (activate / deactivate set it)",
-    "caller._trampolines": "code objects per call site: a cache that changes no behaviour",
-    "call_facts._PLAIN_KINDS": "classes defining no function attributes: a fact of the class",
-    "checkpoint_call._torch": "torch's module, bound at the first call",
-    "checkpoint_call._depth": "a context variable: set inside a checkpointed function, reset after",
+    "call.caller._trampolines": "code objects per call site: a cache that changes no behaviour",
+    "call.call_facts._PLAIN_KINDS": "classes defining no function attributes: a fact of the class",
+    "call.checkpoint_call._torch": "torch's module, bound at the first call",
+    "call.checkpoint_call._depth": "a context variable: set inside a checkpointed function, reset after",
     "context._asker": "a context variable: set for one enable call, reset after",
     "facts._walk": "a context variable: one module walk per decision",
     "engine._loading": "the lock around loading the plugins",
@@ -32,7 +32,9 @@ PROCESS = {
     "lifetime._resets": "the registry of resets itself",
     "manager._said": "what this process said about plugin ranges: a release does not change",
     "mrope_mask._names": "a forward's parameter names per class: a fact of the class",
-    "step.invisible._running": "passes in progress: back to 0 when each ends",
+    "context._own_passes": "gcpatch's own passes in progress: back to 0 when each ends",
+    "step.levers._registry": "the budget's levers, registered at import (or by a plugin): a"
+    " vocabulary, not a decision",
 }
 # Owned by engine.stop() itself (it ends the activation).
 ENGINE = {"engine._host", "engine._patcher", "engine._starting"}
@@ -40,11 +42,11 @@ ENGINE = {"engine._host", "engine._patcher", "engine._starting"}
 ACTIVATION = {
     "agreement._rounds",
     "apply._states",
-    "checkpoint_call._covered",
-    "checkpoint_call._outcomes",
-    "checkpoint_call._reported_sites",
-    "checkpoint_call._probed",
-    "checkpoint_call._untracked",
+    "call.checkpoint_call._covered",
+    "call.checkpoint_call._outcomes",
+    "call.checkpoint_call._reported_sites",
+    "call.checkpoint_call._probed",
+    "call.checkpoint_call._untracked",
     "console._said",
     "console._seen",
     "console._mine",
@@ -52,25 +54,24 @@ ACTIVATION = {
     "context._models",
     "context._instances",
     "crash_notes._installed",
-    "curried_call._clashes_said",
+    "call.curried_call._clashes_said",
     "mrope_mask._said",
     "record._history",
     "record._last_of",
     "record._unwritable",
-    "reentrant_grads._seen",
-    "reentrant_grads._said",
+    "call.reentrant_grads._seen",
+    "call.reentrant_grads._said",
     "settings._reported",
     "step.first_step._armed",
     "step.shapes._plans",
-    "step.planner._shared",
 }
 # Tables that are never written after import.
 CONSTANT = {
     "__init__.__all__",
     "budget._UNITS",
-    "explain._CALL_FIELDS",
-    "explain._DECISION_FIELDS",
-    "explain._DETAIL_FIELDS",
+    "commands.explain._CALL_FIELDS",
+    "commands.explain._DECISION_FIELDS",
+    "commands.explain._DETAIL_FIELDS",
     "headline._KNOB_WORDS",
     "manager._VALUE_TYPES",
     "pipeline.__all__",
@@ -79,8 +80,6 @@ CONSTANT = {
     "resolve.TIE_VALUES",
     "schema.FAILURE_ORDER",
     "schema.STRENGTH_ORDER",
-    "step.selective.LEVERS",
-    "step.selective.NAMED",
     "step.verify.RTOL",
     "verify.__all__",
 }

@@ -21,7 +21,8 @@ from torch import nn  # noqa: E402
 from transformers import PretrainedConfig, PreTrainedModel  # noqa: E402
 from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
 
-from gcpatch import checkpoint_call, engine  # noqa: E402
+from gcpatch import engine  # noqa: E402
+from gcpatch.call import checkpoint_call  # noqa: E402
 from gcpatch.step import verify  # noqa: E402
 
 DIM, VOCAB = 16, 32

@@ -256,7 +256,8 @@ def _verdict(result: tuple[str, dict | None], ref: dict) -> str:
 
 def gcpatch_caller():
     """A factory of gcpatch-wrapped checkpoint functions, the engine started in fix mode."""
-    from gcpatch import checkpoint_call, engine, resolve
+    from gcpatch import engine, resolve
+    from gcpatch.call import checkpoint_call
     from gcpatch.schema import USE_REENTRANT, USER, Vote
 
     engine.start()

@@ -24,16 +24,16 @@ RESULT = "RESULT "
 
 
 def child_env(quiet: bool = False, **extra: str) -> dict[str, str]:
-    """The caller's environment without GCPATCH* or PYTHONPATH (name them in `extra`), offline,
-    one OpenMP thread per process (runs share the cores); `quiet` also mutes Python's and
-    transformers' warnings for tests that do not look at them."""
+    """The caller's environment without GCPATCH* or PYTHONPATH (name them in `extra`), offline;
+    `quiet` also mutes Python's and transformers' warnings for tests that do not look at them.
+    Threads are the caller's (torch's default where it sets none): a test's result may not depend
+    on them; a benchmark that times pins its own (benchmarks/_releases.py, benchmarks/measure.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH") and k != "PYTHONPATH"}
     env.update(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS="1",
         PYTHONDONTWRITEBYTECODE="1",
     )
     if quiet:

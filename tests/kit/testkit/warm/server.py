@@ -81,17 +81,7 @@ def serve(path: str) -> tuple[dict, list[int]] | None:
     clients: dict[int, socket.socket] = {}  # child pid -> the connection that asked for it
     while True:
         ready, _, _ = select.select([0, listener, *clients.values()], [], [], 0.05)
-        while True:  # reap every child that ended, and tell its client
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            conn = clients.pop(pid, None)
-            if conn is not None:
-                _send(conn, {"code": os.waitstatus_to_exitcode(status)})
-                conn.close()
+        _reap(clients)
         for source in ready:
             if source == 0:
                 if not os.read(0, 1024):
@@ -99,26 +89,52 @@ def serve(path: str) -> tuple[dict, list[int]] | None:
                         _kill(pid)
                     return None
             elif source is listener:
-                conn, _ = listener.accept()
-                data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    conn.close()
-                    for other in clients.values():
-                        other.close()
-                    return json.loads(data), fds
-                for fd in fds:
-                    os.close(fd)
-                clients[pid] = conn
-                _send(conn, {"pid": pid})
-                os.write(1, f"served {pid}\n".encode())  # the owner counts these
+                child = _fork_for(listener, clients)
+                if child is not None:
+                    return child
             else:  # a client's connection: anything but EOF is not expected; EOF means it is gone
                 pid = next(p for p, c in clients.items() if c is source)
                 if not source.recv(1024):
                     _kill(pid)
                     del clients[pid]
                     source.close()
+
+
+def _reap(clients: dict[int, socket.socket]) -> None:
+    """Reap every child that ended, and tell its client its exit code."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = clients.pop(pid, None)
+        if conn is not None:
+            _send(conn, {"code": os.waitstatus_to_exitcode(status)})
+            conn.close()
+
+
+def _fork_for(
+    listener: socket.socket, clients: dict[int, socket.socket]
+) -> tuple[dict, list[int]] | None:
+    """Accept one request and fork a child for it: in the child, its request and descriptors; in
+    the server, None (the child's pid told to the client and counted by the owner)."""
+    conn, _ = listener.accept()
+    data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        conn.close()
+        for other in clients.values():
+            other.close()
+        return json.loads(data), fds
+    for fd in fds:
+        os.close(fd)
+    clients[pid] = conn
+    _send(conn, {"pid": pid})
+    os.write(1, f"served {pid}\n".encode())  # the owner counts these
+    return None
 
 
 def _become(request: dict, fds: list[int]) -> None:

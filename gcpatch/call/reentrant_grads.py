@@ -9,10 +9,8 @@ reentrant checkpoint and the gradients asked for are of leaf tensors, fix mode t
 ordinary backward into `.grad` instead and gives every other leaf its `.grad` back as it was: the
 result is what the call would return under non-reentrant checkpointing. Anything this cannot
 reproduce exactly (non-leaf inputs, `create_graph`, batched grads, a process group whose hooks a
-full
-backward would fire, hooks on other leaves) is left to torch, whose error then carries gcpatch's
-note
-naming `use_reentrant=False` (crash_notes: reentrant_grad).
+full backward would fire, hooks on other leaves) is left to torch, whose error then carries
+gcpatch's note naming `use_reentrant=False` (crash_notes: reentrant_grad).
 """
 
 from __future__ import annotations

@@ -60,11 +60,11 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help()
         return 0
     if args.command == "doctor":
-        from gcpatch import doctor
+        from gcpatch.commands import doctor
 
         return doctor.main(not args.no_import)
     if args.command == "explain":
-        from gcpatch import explain
+        from gcpatch.commands import explain
 
         return explain.main(args.path, args.verbose)
     return _rules_markdown() if args.markdown else _rules()

@@ -19,23 +19,12 @@ import weakref
 from dataclasses import replace
 from typing import Any, Callable
 
-from gcpatch import (
-    call_facts,
-    call_rewrites,
-    curried_call,
-    engine,
-    import_hooks,
-    lifetime,
-    patching,
-    record,
-    reentrant_grads,
-    resolve,
-    settings,
-)
-from gcpatch.call_facts import TRACKED
-from gcpatch.caller import call_from, user_frame
+from gcpatch import engine, import_hooks, lifetime, patching, record, resolve, settings
+from gcpatch.call import call_facts, call_rewrites, curried_call, reentrant_grads
+from gcpatch.call.call_facts import TRACKED
+from gcpatch.call.caller import call_from, user_frame
 from gcpatch.errors import GcpatchError
-from gcpatch.facts import named_modules
+from gcpatch.facts import as_bool, named_modules
 from gcpatch.schema import (
     DEFAULT,
     GRAD_INPUT,
@@ -217,7 +206,7 @@ def _checkpoint(
     count: Callable[[], None] | None = None,
 ) -> Any:
     """torch's checkpoint, called as `outcome` says: use_reentrant, and the rewrites that keep a
-    reentrant call exact (gcpatch/call_rewrites.py). `count` is verify's, called at each run."""
+    reentrant call exact (call_rewrites.py). `count` is verify's, called at each run."""
     function, rest = args[0], args[1:]
     if outcome.use_reentrant is not None:
         kwargs = {**kwargs, USE_REENTRANT: outcome.use_reentrant}
@@ -394,7 +383,7 @@ def _outcome_of(function: Any, args: tuple, kwargs: dict, untracked: str) -> _Ou
     else:  # no module reached: what it uses cannot be known
         trainable = False if reach.modules else None
     key = (
-        _as_bool(asked),
+        as_bool(asked),
         grad,
         inputs_grad,
         trainable,
@@ -594,10 +583,6 @@ def _report_once(outcome: _Outcome) -> None:
         applied[TUPLE_OUTPUTS] = True
     site = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
     record.call_site(site, outcome.facts, outcome.decision, applied, settings.read().record_dir)
-
-
-def _as_bool(value: Any) -> bool | None:
-    return None if value is None else bool(value)
 
 
 @lifetime.activation

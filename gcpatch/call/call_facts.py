@@ -78,23 +78,33 @@ def reach(function: Any, tensor: type, module_type: type) -> Reach:
         elif isinstance(item, (tuple, list)):
             pending.extend((v, False) for v in item[:8])
         elif callable(item):
-            owner = getattr(item, "__self__", None)
-            if owner is not None:
-                pending.append((owner, False))
-            # the function itself (not a method) can be rebuilt with other cells and defaults
-            first = item is function and owner is None and isinstance(item, FunctionType)
-            code = getattr(item, "__func__", item)
-            for cell in getattr(code, "__closure__", None) or ():
-                try:
-                    pending.append((cell.cell_contents, first))
-                except ValueError:  # an empty cell: nothing bound there yet
-                    continue
-            pending.extend((d, first) for d in getattr(code, "__defaults__", None) or ())
-            kwdefaults = getattr(code, "__kwdefaults__", None) or {}
-            pending.extend((d, first) for d in kwdefaults.values())
+            pending.extend(_bound_by(item, function))
     if not (modules or bound_grad):
         return NOTHING
     return Reach(tuple(modules), bound_grad, graph, bool(graph) and lifted == graph)
+
+
+def _bound_by(item: Any, function: Any) -> list[tuple[Any, bool]]:
+    """What a callable runs with besides its arguments, as `reach`'s (item, liftable) pairs: a
+    bound method's owner, closure cells, default arguments. Liftable where `item` is the
+    checkpointed function itself (not a method): it can be rebuilt with other cells and defaults."""
+    owner = getattr(item, "__self__", None)
+    first = item is function and owner is None and isinstance(item, FunctionType)
+    code = getattr(item, "__func__", item)
+    kwdefaults = getattr(code, "__kwdefaults__", None) or {}
+    bound = [*_cells(code), *(getattr(code, "__defaults__", None) or ()), *kwdefaults.values()]
+    return ([(owner, False)] if owner is not None else []) + [(value, first) for value in bound]
+
+
+def _cells(code: Any) -> list[Any]:
+    """The values a function's closure cells hold (an empty cell: nothing bound there yet)."""
+    values = []
+    for cell in getattr(code, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:
+            continue
+    return values
 
 
 def binds_graph_tensors(function: Any, tensor: type, module_type: type) -> bool:
@@ -108,14 +118,8 @@ def binds_graph_tensors(function: Any, tensor: type, module_type: type) -> bool:
     if isinstance(function, module_type):  # no attribute read: nn.Module.__getattr__ is slow
         return False
     code = getattr(function, "__func__", function)
-    cells = []
-    for cell in getattr(code, "__closure__", None) or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
     defaults = getattr(code, "__defaults__", None) or ()
-    return _has_graph(cells, tensor) or _has_graph(defaults, tensor)
+    return _has_graph(_cells(code), tensor) or _has_graph(defaults, tensor)
 
 
 def _has_graph(values: Any, tensor: type) -> bool:

@@ -1,15 +1,12 @@
-"""The budget's lever below whole checkpointing: a layer checkpointed whole whose saved inputs wait
-in host memory for its recompute, so the device holds neither its activations nor its inputs.
+"""Offload: a layer checkpointed whole whose saved inputs wait in host memory for its recompute, so
+the device holds neither its activations nor its inputs.
 
-A checkpoint saves only its inputs (non-reentrant: through `save_for_backward` of a no-op function,
-torch/utils/checkpoint.py `_NoopSaveInputs`; reentrant: `CheckpointFunction`'s own), so saved-tensor
-hooks around the checkpoint call see exactly those and move each to pinned host memory, and back
-before the recompute, as torch's own `save_on_cpu` does (transformers' `offload=True` wraps its
-checkpoint in it). The copies cost time in the forward and the backward: offered only where the
-layers run on an accelerator (on a CPU there is nowhere else to put them), and chosen only where
-whole checkpointing cannot meet the budget for less (gcpatch/step/solver.py). Each wrapper counts
-the bytes it moved, so a plan whose offloaded layer moved nothing falls back to whole checkpointing
-(gcpatch/step/shapes.py).
+A checkpoint saves only its inputs (non-reentrant: through `save_for_backward` of a no-op
+function, torch/utils/checkpoint.py `_NoopSaveInputs`; reentrant: `CheckpointFunction`'s own), so
+saved-tensor hooks around the checkpoint call see exactly those and move each to pinned host
+memory, and back before the recompute, as torch's own `save_on_cpu` does. Offered only on an
+accelerator (on a CPU there is nowhere else to put them); the copies cost more than whole's
+recompute (COPIES), so it is chosen only where whole cannot meet the budget.
 """
 
 from __future__ import annotations
@@ -19,8 +16,13 @@ import logging
 import sys
 from typing import Any, Callable
 
-from gcpatch.step.swap import CONTEXT_FN
+from gcpatch.step.bytes import Bytes
+from gcpatch.step.levers.lever import Lever
+from gcpatch.step.levers.policy import CONTEXT_FN
+from gcpatch.step.probe import LayerFacts
 
+# what the copies add to a whole recompute, as its share: a lever below whole costs more than it
+COPIES = 0.25
 log = logging.getLogger("gcpatch")
 
 
@@ -28,19 +30,13 @@ log = logging.getLogger("gcpatch")
 PINNED = ("cuda", "xpu")
 
 
-def accelerator(module: Any) -> str | None:
+def accelerator_of(module: Any) -> str | None:
     """The device type the module's parameters are on, where it is an accelerator whose host
     memory torch pins."""
     for param in module.parameters():
         kind = param.device.type
         return kind if kind in PINNED else None
     return None
-
-
-def offered(func: Any) -> bool:
-    """A layer's own checkpoint function (a partial of it, without a user's context_fn: a user's
-    selective checkpointing stands as given)."""
-    return isinstance(func, functools.partial) and CONTEXT_FN not in func.keywords
 
 
 def _on_host(tensor: Any) -> bool:
@@ -99,6 +95,38 @@ class Offload:
         return held if device is None else (self.to_device or _to_device)(held, device)
 
 
-def own(func: Any) -> Any:
-    """The layer's own checkpoint function where `func` is it offloaded."""
-    return func.func if isinstance(func, Offload) else func
+class Offloading(Lever):
+    name = "offload-inputs"
+    title = "offloading the inputs"
+    says = "offloading their inputs"
+    brief = "offloaded"
+    idle = "moved nothing"
+    below_whole = True
+
+    def offered(self, layer: Any, func: Any, facts: LayerFacts, accelerator: bool) -> str | None:
+        if not accelerator or accelerator_of(layer) is None:
+            return "the layers run on no accelerator: there is nowhere else to put their inputs"
+        if not isinstance(func, functools.partial) or CONTEXT_FN in func.keywords:
+            return "the user's own context_fn stands as given"
+        return None
+
+    def held(self, facts: LayerFacts) -> Bytes:
+        return Bytes()  # its inputs wait in host memory
+
+    def counted(self, facts: LayerFacts) -> float:
+        return 1.0
+
+    def clocked(self, facts: LayerFacts, accelerator: bool) -> float:
+        return 1.0 + COPIES
+
+    def wrap(self, func: Any, layer: Any) -> Any:
+        return Offload(func)
+
+    def fired(self, wrapped: Any) -> bool:
+        return not isinstance(wrapped, Offload) or wrapped.moved > 0
+
+    def own(self, func: Any) -> Any | None:
+        return func.func if isinstance(func, Offload) else None
+
+
+LEVER = Offloading()

@@ -1,0 +1,1 @@
+"""The `gcpatch` command (`cli`) and its subcommands `doctor` and `explain`."""
