@@ -111,7 +111,7 @@ def refused_text(outcome: Outcome) -> tuple[str, str]:
     counts: dict[str, int] = {}
     for layer in costs.layers:
         for name, why in layer.refused.items():
-            if why.startswith("its trial"):
+            if why.startswith("refused: "):
                 counts[name] = counts.get(name, 0) + 1
     full = "".join(
         f"; {levers.get(name).title if levers.get(name) else name} refused on {n} of"

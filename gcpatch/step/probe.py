@@ -231,8 +231,8 @@ class Probe:
 
     def _enter_block(self, index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any) -> None:
-            if not self.ours():
-                return
+            if not self.ours() or (self.recomputing and self.layer_facts[index].saved):
+                return  # a recompute of what the forward already read
             self.owner.append((BLOCK, index))
             self.layer_facts[index].block_ran = True
             given = list(tensors(self.torch, args))
@@ -494,7 +494,15 @@ def _flop_formulas() -> dict:
     cpu = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if fused is not None and cpu is not None:
         formulas.setdefault(cpu, fused)
+    grouped = getattr(aten, "_grouped_mm", None)  # MoE experts' (no formula in torch 2.13)
+    if grouped is not None:
+        formulas.setdefault(grouped, _grouped_mm_flops)
     return formulas
+
+
+def _grouped_mm_flops(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> float:
+    """A grouped matmul's FLOPs: 2 x its output's elements x the inner dimension."""
+    return 2.0 * out_val.numel() * a.shape[-1]
 
 
 def _version(tensor: Any) -> int | None:

@@ -338,7 +338,7 @@ def test_the_budgets_first_line_takes_at_most_two_rows_with_every_lever_and_a_re
         {},
         1.0,
         Bytes(1.0),
-        {"keep-matmuls": "its trial in the step failed (RuntimeError: " + "x" * 200 + ")"},
+        {"keep-matmuls": "refused: RuntimeError: " + "x" * 200},
     )
     costs = CostModel([layer] * 12, Bytes(), (4, 4096))
     outcome = Outcome(plan=plan, shape=(4, 4096), costs=costs)

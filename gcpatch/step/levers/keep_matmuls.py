@@ -27,7 +27,7 @@ class KeepMatmuls(Lever):
     def offered(self, layer: Any, func: Any, facts: LayerFacts, accelerator: bool) -> str | None:
         why = selectable(func)
         if why is None and self.part in facts.refused:
-            why = f"its trial in the step failed ({facts.refused[self.part]})"
+            why = f"refused: {facts.refused[self.part]}"
         if why is None and facts.kept.get(self.part, Bytes()).total <= 0:
             why = "the layer runs none of the operators it keeps"
         return why
