@@ -56,13 +56,6 @@ class Budget:
             return max(0.0, available or 0.0)
         return float(self.nbytes or 0)
 
-    def describe(self) -> str:
-        if self.fraction is not None:
-            return f"{self.fraction:g} of the activations"
-        if self.auto:
-            return "what the device has left"
-        return f"{size(self.nbytes or 0)} of activations"
-
 
 def parse(raw: str) -> Budget | str:
     """A Budget, or why `raw` is not one, as a clause settings.py puts in its one line."""
