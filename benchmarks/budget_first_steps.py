@@ -17,70 +17,25 @@ left as the machine gives them. Nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-FULL = dict(
-    rounds=3,
-    steps=4,
-    batch=2,
-    seq=256,
-    model=dict(
-        num_hidden_layers=8,
-        hidden_size=256,
-        intermediate_size=688,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=1024,
-        attention_dropout=0.0,
-    ),
-)
-SMOKE = dict(
-    rounds=1,
-    steps=3,
-    batch=2,
-    seq=16,
-    model=dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=64,
-        attention_dropout=0.0,
-    ),
-)
+import _runs
+
+# 3 rounds of 4 steps on 2 x 256 tokens; the Llama: 8 layers, hidden 256, intermediate 688, 2 KV
+# heads, vocab 256, 1024 positions, dropout 0
+FULL = _runs.plan(3, 4, 2, 256, _runs.llama(8, 256, 688, 2, 256, 1024, 0.0))
+SMOKE = _runs.smoke(dropout=0.0)
 BUDGET = "0.5"
 VARIANTS = ("budget", "full")
+OUTPUTS = ("budget_first_steps.json", "BUDGET_FIRST_STEPS.md")
 
 
 def worker(cfg: dict) -> dict:
     """One process: the user's loop, every step timed. Nothing of gcpatch is imported here."""
-    import warnings
-
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(tie_word_embeddings=False, use_cache=False, **cfg["model"])
-    ).train()
-    model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg["model"]["vocab_size"], (cfg["batch"], cfg["seq"]), generator=gen)
+    model, opt, ids = _runs.user_model(cfg, use_cache=False)
     times = []
     for _ in range(cfg["steps"]):
         start = time.perf_counter()
@@ -96,22 +51,9 @@ def worker(cfg: dict) -> dict:
 
 
 def run_worker(cfg: dict, variant: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH")}
-    env.update(GCPATCH="1", HF_HUB_OFFLINE="1")
-    if variant == "budget":
-        env["GCPATCH_MEMORY_BUDGET"] = BUDGET
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(cfg)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd="/",  # the installed gcpatch, never a checkout's
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["budget_lines"] = budget_lines(proc.stderr)
+    env = {"GCPATCH_MEMORY_BUDGET": BUDGET} if variant == "budget" else {}
+    out, stderr = _runs.fresh_process(__file__, cfg, env, timeout=1800)
+    out["budget_lines"] = budget_lines(stderr)
     return out
 
 
@@ -126,15 +68,7 @@ def budget_lines(stderr: str) -> list[str]:
     return lines
 
 
-def measure(cfg: dict) -> dict:
-    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    for r in range(cfg["rounds"]):
-        for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            runs[name].append(run_worker(cfg, name))
-    return runs
-
-
-def summarize(runs: dict) -> dict:
+def summarize(cfg: dict, runs: dict) -> dict:
     def median(name: str, pick) -> float:
         return statistics.median(pick(run["times"]) for run in runs[name])
 
@@ -176,35 +110,5 @@ The budget's line in the first budgeted run: `{s["budget_line"]}`
 """
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", type=Path, default=HERE)
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
-        return
-    cfg = SMOKE if args.smoke else FULL
-    start = time.time()
-    runs = measure(cfg)
-    summary = summarize(runs)
-    import torch  # noqa: F401 (versions only)
-    import transformers
-
-    meta = (
-        f"Measured {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.system()} {platform.machine()}, "
-        f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}, transformers "
-        f"{transformers.__version__}, {os.cpu_count()} CPUs shared with other jobs, no GPU; {time.time() - start:.0f} s."
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "budget_first_steps.json").write_text(
-        json.dumps({"config": cfg, "summary": summary, "runs": runs}, indent=1)
-    )
-    text = section(cfg, summary, meta)
-    (args.out / "BUDGET_FIRST_STEPS.md").write_text(text)
-    print(text)
-
-
 if __name__ == "__main__":
-    main()
+    _runs.main(worker, run_worker, (FULL, SMOKE), VARIANTS, summarize, section, OUTPUTS)

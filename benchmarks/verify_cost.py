@@ -12,68 +12,27 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-FULL = dict(
-    rounds=3,
-    steps=8,
-    batch=4,
-    seq=256,
-    model=dict(
-        num_hidden_layers=4,
-        hidden_size=256,
-        intermediate_size=688,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=8192,
-        max_position_embeddings=512,
-        attention_dropout=0.1,
-    ),
-)
-SMOKE = dict(
-    rounds=1,
-    steps=3,
-    batch=2,
-    seq=16,
-    model=dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=64,
-        attention_dropout=0.1,
-    ),
-)
+import _runs
+
+# 3 rounds of 8 steps on 4 x 256 tokens; the Llama: 4 layers, hidden 256, intermediate 688, 4 KV
+# heads, vocab 8192, 512 positions, dropout 0.1
+FULL = _runs.plan(3, 8, 4, 256, _runs.llama(4, 256, 688, 4, 8192, 512, 0.1))
+SMOKE = _runs.smoke(dropout=0.1)
+VARIANTS = ("verify", "plain")
+OUTPUTS = ("verify_cost.json", "VERIFY_COST.md")
 
 
 def worker(cfg: dict) -> dict:
     """One process: the user's loop. Timed steps; nothing of gcpatch is imported here."""
     import resource
-    import warnings
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **cfg["model"])).train()
-    model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg["model"]["vocab_size"], (cfg["batch"], cfg["seq"]), generator=gen)
+    model, opt, ids = _runs.user_model(cfg, threads=1)
     times, saved, rss_after_first = [], 0, 0
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for step in range(cfg["steps"]):
@@ -113,30 +72,11 @@ def worker(cfg: dict) -> dict:
     }
 
 
-def run_worker(cfg: dict, verify: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH")}
-    env.update(GCPATCH="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", GCPATCH_LOG="warning")
-    if verify:
+def run_worker(cfg: dict, variant: str) -> dict:
+    env = {"OMP_NUM_THREADS": "1", "GCPATCH_LOG": "warning"}
+    if variant == "verify":
         env["GCPATCH_VERIFY"] = "1"
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(cfg)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd="/",
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def measure(cfg: dict) -> dict:
-    runs: dict[str, list[dict]] = {"verify": [], "plain": []}
-    for r in range(cfg["rounds"]):
-        for name in ("verify", "plain") if r % 2 == 0 else ("plain", "verify"):
-            runs[name].append(run_worker(cfg, name == "verify"))
-    return runs
+    return _runs.fresh_process(__file__, cfg, env, timeout=900)[0]
 
 
 def summarize(cfg: dict, runs: dict) -> dict:
@@ -189,35 +129,5 @@ no wrapper, and later steps run exactly the code of a run without it (the ratio 
 """
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", type=Path, default=HERE)
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
-        return
-    cfg = SMOKE if args.smoke else FULL
-    start = time.time()
-    runs = measure(cfg)
-    summary = summarize(cfg, runs)
-    import torch  # noqa: F401 (versions only)
-    import transformers
-
-    meta = (
-        f"Measured {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.system()} {platform.machine()}, "
-        f"Python {platform.python_version()}, torch {sys.modules['torch'].__version__}, transformers "
-        f"{transformers.__version__}, {os.cpu_count()} CPUs shared with other jobs, no GPU; {time.time() - start:.0f} s."
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "verify_cost.json").write_text(
-        json.dumps({"config": cfg, "summary": summary, "runs": runs}, indent=1)
-    )
-    text = section(cfg, summary, meta)
-    (args.out / "VERIFY_COST.md").write_text(text)
-    print(text)
-
-
 if __name__ == "__main__":
-    main()
+    _runs.main(worker, run_worker, (FULL, SMOKE), VARIANTS, summarize, section, OUTPUTS)

@@ -7,11 +7,14 @@ the config it is handed), from a fixed seed, so two builds give identical weight
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import sys
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SEQ_LEN = 16
 VOCAB = 64
@@ -31,6 +34,33 @@ def llama(seed: int = 0):
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
+
+
+def llama_config(
+    layers: int, hidden: int, intermediate: int | None = None, dropout: float = 0.0, **extra
+) -> dict:
+    """The budget scripts' tiny Llama, as LlamaConfig's keywords: 4 heads over 2 KV heads, untied,
+    no cache, vocab VOCAB, the MLP twice the hidden size (unless given); `extra` adds or overrides."""
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden if intermediate is None else intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "attention_dropout": dropout,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        **extra,
+    }
+
+
+def llama_of(config: dict, seed: int = 0):
+    """A LlamaForCausalLM of `config` (LlamaConfig's keywords, e.g. `llama_config(...)`), seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**config))
 
 
 def gpt2(seed: int = 0):
@@ -149,6 +179,30 @@ def trainable_grads(model) -> dict[str, torch.Tensor | None]:
     }
 
 
+def max_abs_diff(got: dict, ref: dict) -> float:
+    """The largest difference between two gradient dicts' tensors (those both have)."""
+    return max(
+        (
+            float((g - ref[n]).abs().max())
+            for n, g in got.items()
+            if g is not None and ref[n] is not None
+        ),
+        default=0.0,
+    )
+
+
+def digest(tensors) -> str:
+    """A short digest of the tensors' bytes, in order (`None` counts as itself)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(
+            b"none"
+            if t is None
+            else t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
+    return h.hexdigest()[:16]
+
+
 def compare_grads(got: dict, ref: dict, atol: float = 1e-5) -> dict:
     """How many trainable tensors got no gradient, or one that differs from the reference."""
     assert got.keys() == ref.keys(), (sorted(got), sorted(ref))
@@ -168,6 +222,71 @@ def compare_grads(got: dict, ref: dict, atol: float = 1e-5) -> dict:
         "ref_grad_none": len(ref_none),
         "wrong_names": wrong,
     }
+
+
+def checkpointed_layers(model) -> int:
+    """How many of the model's decoder layers (`model.model.layers`) checkpoint."""
+    return sum(
+        bool(getattr(layer, "gradient_checkpointing", False)) for layer in model.model.layers
+    )
+
+
+class HeldBytes(TorchDispatchMode):
+    """Storages allocated by operators inside the `with`; `alive()` sums those still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage()._cdata for t in _flat((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        for t in _flat(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                s = t.untyped_storage()
+                self.made[s._cdata] = self._entry(s)
+        return out
+
+    def _entry(self, storage):
+        return (StorageWeakRef(storage), storage.nbytes())
+
+    def alive(self):
+        return sum(n for ref, n in self.made.values() if not ref.expired())
+
+
+def _flat(value):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flat(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flat(v)
+    else:
+        yield value
+
+
+def held_forward(forward, ids, labels=None):
+    """The training forward `forward(input_ids=ids, labels=labels or ids)`, measured: its loss and
+    the bytes it holds for the backward (HeldBytes)."""
+    with HeldBytes() as held:
+        loss = forward(input_ids=ids, labels=ids if labels is None else labels).loss
+    return loss, held.alive()
+
+
+class Recomputes:
+    """Counts the layers whose MLP runs during the backward: a recomputed layer."""
+
+    def __init__(self, layers) -> None:
+        self.backward = False
+        self.count = 0
+        for layer in layers:
+            layer.mlp.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        if self.backward:
+            self.count += 1
 
 
 def checkpoint_use_reentrant(model):

@@ -24,8 +24,6 @@ import warnings
 
 import _common as c
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LAYERS, HIDDEN = 8, 64
@@ -35,57 +33,8 @@ SHAPES = {
 }
 
 
-class HeldBytes(TorchDispatchMode):
-    """Storages allocated by operators inside the `with`; `alive()` sums those still alive."""
-
-    def __init__(self):
-        super().__init__()
-        self.made = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage()._cdata for t in _flat((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        for t in _flat(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                s = t.untyped_storage()
-                self.made[s._cdata] = (StorageWeakRef(s), s.nbytes())
-        return out
-
-    def alive(self):
-        return sum(n for ref, n in self.made.values() if not ref.expired())
-
-
-def _flat(value):
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flat(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _flat(v)
-    else:
-        yield value
-
-
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=c.VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=2 * HIDDEN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attention_dropout=0.0,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-            use_cache=False,
-        )
-    )
+    return c.llama_of(c.llama_config(LAYERS, HIDDEN, max_position_embeddings=2048))
 
 
 def freeze_bottom_half(model) -> None:
@@ -111,19 +60,14 @@ def train(setup: str, checkpointing: bool) -> list[dict]:
     steps = []
     for ids in batches(setup):
         opt.zero_grad(set_to_none=True)
-        with HeldBytes() as held:
-            loss = model(input_ids=ids, labels=ids).loss
-        nbytes = held.alive()
+        loss, nbytes = c.held_forward(model, ids)
         loss.backward()
         steps.append(
             {
                 "shape": list(ids.shape),
                 "held": nbytes,
                 "grads": c.trainable_grads(model),
-                "checkpointed": sum(
-                    bool(getattr(layer, "gradient_checkpointing", False))
-                    for layer in model.model.layers
-                ),
+                "checkpointed": c.checkpointed_layers(model),
             }
         )
         opt.step()

@@ -17,7 +17,7 @@ usage: python -m torch.distributed.run --nproc_per_node=2 budget_ranks.py
             at hidden 128, three steps; the ranks all_reduce each step's loss for the log.
 
 Each rank measures by itself what every training forward holds for the backward (the storages an
-operator allocated during the forward that are still alive after it: budget_train.HeldBytes), how
+operator allocated during the forward that are still alive after it: _common.HeldBytes), how
 many layers its backward recomputed, and a digest of every gradient it steps with (after DDP's
 all-reduce; rank 1's accumulated first step before it), so that a run with GCPATCH_MEMORY_BUDGET
 can be compared step by step and tensor by tensor with the same job without checkpointing. Prints
@@ -31,7 +31,7 @@ import warnings
 import _common as c
 import torch
 import torch.distributed as dist
-from budget_train import CONFIG, HeldBytes, Recomputes, decoder_layers, digest
+from budget_train import CONFIG, Recomputes, decoder_layers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,11 +40,7 @@ WIDTHS = (64, 128)  # widths: rank 0's hidden size, rank 1's
 
 
 def llama(hidden: int = CONFIG["hidden_size"]):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = {**CONFIG, "hidden_size": hidden, "intermediate_size": 2 * hidden}
-    return LlamaForCausalLM(LlamaConfig(**config))
+    return c.llama_of({**CONFIG, "hidden_size": hidden, "intermediate_size": 2 * hidden})
 
 
 def batch(rank: int, step: int, masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,15 +63,14 @@ class Steps:
         """The training forward, measured; returns the loss."""
         self.counter.backward, self.counter.count = False, 0
         torch.manual_seed(10 * step + dist.get_rank())  # attention dropout: the same on every run
-        with HeldBytes() as held:
-            loss = self.forward(input_ids=ids, labels=labels).loss
+        loss, held = c.held_forward(self.forward, ids, labels)
         self.log.append(
             {
                 "step": step,
                 "kind": "train",
                 "rows": ids.shape[0],
                 "tokens": ids.shape[1],
-                "held": held.alive(),
+                "held": held,
                 "loss": float(loss.detach()),
             }
         )
@@ -88,7 +83,7 @@ class Steps:
         entry = self.log[-1]
         entry["kind"] = kind
         entry["recomputed"] = self.counter.count
-        entry["grads"] = [digest([p.grad]) for p in self.model.parameters()]
+        entry["grads"] = [c.digest([p.grad]) for p in self.model.parameters()]
         if update:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -193,7 +188,7 @@ def main() -> None:
             "hidden": steps.model.config.hidden_size,
             "layers": len(decoder_layers(steps.model)),
             "steps": steps.log,
-            "params_after": digest(steps.model.parameters()),
+            "params_after": c.digest(steps.model.parameters()),
         }
     )
     dist.barrier()

@@ -32,9 +32,8 @@ import warnings
 import _common as c
 import torch
 import torch.distributed as dist
-from budget_train import CONFIG, digest
+from budget_train import CONFIG
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -43,25 +42,13 @@ STEPS = (((2, 64), (2, 64)), ((1, 96), (2, 48)), ((2, 32), (1, 128)), ((2, 64), 
 KEPT: list = []  # objects the job keeps alive to its end
 
 
-class ActivationBytes(TorchDispatchMode):
+class ActivationBytes(c.HeldBytes):
     """Storages allocated by operators inside the `with`; `alive(params)` sums, at their size now,
     those still alive that back none of `params` (a parameter an engine gathered, or resized to
     nothing once it resharded)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: dict[int, StorageWeakRef] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage()._cdata for t in _flat((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        for t in _flat(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                s = t.untyped_storage()
-                self.made[s._cdata] = StorageWeakRef(s)
-        return out
+    def _entry(self, storage):
+        return StorageWeakRef(storage)
 
     def alive(self, params) -> int:
         skip = {_storage(p)._cdata for p in params}
@@ -80,34 +67,9 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
 
 
-class Recomputes:
-    """Counts the layers whose MLP runs during the backward: a recomputed layer."""
-
-    def __init__(self, layers: list) -> None:
-        self.backward = False
-        self.count = 0
-        for layer in layers:
-            layer.mlp.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        if self.backward:
-            self.count += 1
-
-
 def _storage(p: torch.Tensor):
     local = getattr(p, "_local_tensor", None)  # a DTensor's shard
     return (local if local is not None else p.data).untyped_storage()
-
-
-def _flat(value):
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flat(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _flat(v)
-    else:
-        yield value
 
 
 def config():
@@ -129,10 +91,8 @@ def tuned(model, args):
 
 def fsdp2(args):
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
-    model = tuned(LlamaForCausalLM(config()), args)
+    model = tuned(c.llama_of(CONFIG), args)
     for layer in decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
@@ -141,13 +101,13 @@ def fsdp2(args):
 
     def backward_and_step(loss):
         loss.backward()
-        grads = [digest([p.grad.full_tensor()]) for _, p in trainable]
+        grads = [c.digest([p.grad.full_tensor()]) for _, p in trainable]
         opt.step()
         opt.zero_grad(set_to_none=True)
         return grads
 
     def full_params():
-        return digest(p.full_tensor() for _, p in trainable)
+        return c.digest(p.full_tensor() for _, p in trainable)
 
     return model, model, backward_and_step, full_params
 
@@ -174,12 +134,12 @@ def zero3(args):
 
     def backward_and_step(loss):
         engine.backward(loss)
-        grads = [digest([safe_get_full_grad(p)]) for _, p in trainable]
+        grads = [c.digest([safe_get_full_grad(p)]) for _, p in trainable]
         engine.step()
         return grads
 
     def full_params():
-        return digest(safe_get_full_fp32_param(p) for _, p in trainable)
+        return c.digest(safe_get_full_fp32_param(p) for _, p in trainable)
 
     return model, engine, backward_and_step, full_params
 
@@ -201,7 +161,7 @@ def main() -> None:
     model, forward, backward_and_step, full_params = {"fsdp2": fsdp2, "zero3": zero3}[args.engine](
         args
     )
-    counter = Recomputes(decoder_layers(model))
+    counter = c.Recomputes(decoder_layers(model))
     log = []
     for step, shapes in enumerate(STEPS, start=1):
         rows, tokens = shapes[rank]

@@ -49,22 +49,7 @@ def patch_mlp(where: str) -> None:
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=c.VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=2 * HIDDEN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attention_dropout=0.0,
-            tie_word_embeddings=False,
-            use_cache=False,
-        )
-    )
+    return c.llama_of(c.llama_config(LAYERS, HIDDEN))
 
 
 def batch(step: int) -> torch.Tensor:
@@ -121,20 +106,12 @@ def train(where: str, checkpointing: bool) -> dict:
 def compare(got: dict, ref: dict) -> dict:
     """How many trainable tensors differ from the reference beyond fp32 rounding, and by how much."""
     compared = c.compare_grads(got, ref, atol=1e-5)
-    diff = max(
-        (
-            float((g - ref[n]).abs().max())
-            for n, g in got.items()
-            if g is not None and ref[n] is not None
-        ),
-        default=0.0,
-    )
     return {
         "wrong": compared["wrong"],
         "grad_none": compared["grad_none"],
         "trainable": compared["trainable"],
         "wrong_names": compared["wrong_names"][:6],
-        "max_abs_diff": diff,
+        "max_abs_diff": c.max_abs_diff(got, ref),
     }
 
 

@@ -34,22 +34,7 @@ WAIT_S = 120  # the longest a training forward waits for the other thread to run
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=c.VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=2 * HIDDEN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attention_dropout=0.0,
-            tie_word_embeddings=False,
-            use_cache=False,
-        )
-    )
+    return c.llama_of(c.llama_config(LAYERS, HIDDEN))
 
 
 class Other:

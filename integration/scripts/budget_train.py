@@ -17,101 +17,35 @@ prints one line: RESULT {json}
 """
 
 import argparse
-import hashlib
 import os
 import tempfile
 import warnings
 
 import _common as c
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from _common import HeldBytes, digest  # the other budget scripts import them from here too
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BATCH, SEQ, LAYERS = 2, 64, 8
 
 
-class HeldBytes(TorchDispatchMode):
-    """Storages allocated by operators inside the `with`; `alive()` sums those still alive."""
-
-    def __init__(self):
-        super().__init__()
-        self.made = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage()._cdata for t in _flat((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        for t in _flat(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                s = t.untyped_storage()
-                self.made[s._cdata] = (StorageWeakRef(s), s.nbytes())
-        return out
-
-    def alive(self):
-        return sum(n for ref, n in self.made.values() if not ref.expired())
-
-
-def _flat(value):
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flat(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _flat(v)
-    else:
-        yield value
-
-
 # the tiny model's config (budget_lengths.py builds its families from it)
-CONFIG = dict(
-    vocab_size=c.VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    attention_dropout=0.1,
-    tie_word_embeddings=False,
-    use_cache=False,
-)
+CONFIG = c.llama_config(LAYERS, 32, 64, dropout=0.1)
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG))
+    return c.llama_of(CONFIG)
 
 
-class Recomputes:
-    """Counts the layers whose MLP runs during the backward: a recomputed layer."""
+class Recomputes(c.Recomputes):
+    """Counts the model's decoder layers whose MLP runs during the backward: a recomputed layer."""
 
     def __init__(self, model):
-        self.backward = False
-        self.count = 0
-        for layer in decoder_layers(model):
-            layer.mlp.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        if self.backward:
-            self.count += 1
+        super().__init__(decoder_layers(model))
 
 
 def decoder_layers(model):
     return [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
-
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(
-            b"none"
-            if t is None
-            else t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        )
-    return h.hexdigest()[:16]
 
 
 def ids():
@@ -134,9 +68,8 @@ def loop_step(budget):
         model.zero_grad(set_to_none=True)
         counter.backward, counter.count = False, 0
         torch.manual_seed(10 + step)
-        with HeldBytes() as held:
-            loss = model(input_ids=batch, labels=batch).loss
-        held_per_step.append(held.alive())
+        loss, nbytes = c.held_forward(model, batch)
+        held_per_step.append(nbytes)
         counter.backward = True
         loss.backward()
     grads = c.trainable_grads(model)
@@ -205,10 +138,6 @@ def main() -> None:
         model, held_per_step, recomputed, grads, rng_after = step(budget)
         nbytes = held_per_step[1]
         compared = c.compare_grads(grads, ref_grads, atol=0.0)
-        diff = max(
-            (float((g - ref_grads[n]).abs().max()) for n, g in grads.items() if g is not None),
-            default=0.0,
-        )
         cases[budget] = {
             "held_bytes": nbytes,
             "first_step_held_bytes": held_per_step[0],
@@ -219,7 +148,7 @@ def main() -> None:
             ],
             "wrong": compared["wrong"],
             "grad_none": compared["grad_none"],
-            "max_abs_diff": diff,
+            "max_abs_diff": c.max_abs_diff(grads, ref_grads),
             "trainable": compared["trainable"],
             "grads": digest(grads.values()),
             "rng_after": rng_after,
