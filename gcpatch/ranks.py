@@ -84,3 +84,36 @@ def _initialized() -> Any:
             "gcpatch: cannot tell whether a process group exists (%s: %s)", type(exc).__name__, exc
         )
     return None
+
+
+# how long the ranks' agreement on a step's plan waits for every rank (a rank that never joins
+# fails it with a line: that step checkpoints every layer)
+AGREE_TIMEOUT_S = 300.0
+
+
+def agree_max(values: list[int], device: Any = None) -> list[int] | None:
+    """Each value's largest over the ranks of the default group (one all_reduce, waited for at
+    most AGREE_TIMEOUT_S; the values themselves without a group of several ranks), or None where
+    it failed (said)."""
+    dist = _initialized()
+    if dist is None or dist.get_world_size() < 2:
+        return list(values)
+    torch = sys.modules["torch"]
+    from datetime import timedelta
+
+    try:
+        if device is None and "nccl" in str(dist.get_backend()):
+            device = torch.device("cuda", torch.cuda.current_device())
+        tensor = torch.tensor(values, dtype=torch.int64, device=device)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+        work.wait(timeout=timedelta(seconds=AGREE_TIMEOUT_S))
+        return [int(v) for v in tensor.tolist()]
+    except Exception as exc:  # noqa: BLE001 (the caller falls back to its strongest plan)
+        log.warning(
+            "gcpatch: rank %d: the ranks did not agree on a plan within %g s (%s: %s)",
+            rank(),
+            AGREE_TIMEOUT_S,
+            type(exc).__name__,
+            exc,
+        )
+        return None

@@ -13,6 +13,7 @@ the floor, at most MAX_LINES lines; every new shape's plan to the record (MAX_RE
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import sys
 import weakref
@@ -20,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from gcpatch import budget as budget_mod
-from gcpatch import context, headline, lifetime, record, settings
+from gcpatch import context, headline, lifetime, ranks, record, settings
 from gcpatch.ranks import rank
 from gcpatch.step import levers, plan_lines, receipts, solver
 from gcpatch.step.batch import shape
@@ -102,6 +103,9 @@ class ShapePlans:
             else None
         )
         self.tighter: dict[tuple, float] = {}  # shape key -> what its step overshot its plan by
+        # ZeRO-3 gathers a layer's parameters again in its recompute: every rank must run one
+        # plan at each step, or their gathers pair up wrongly (a hang); the ranks agree on it
+        self.lockstep = model is not None and any(hasattr(p, "ds_id") for p in model.parameters())
 
     def plan_for(self, rows: int, tokens: int, available: float | None = None) -> solver.Plan:
         """The plan for this shape (and, under `auto`, this much room): cached, or solved."""
@@ -121,6 +125,32 @@ class ShapePlans:
             self.plans.popitem(last=False)
         self._said(rows, tokens, found)
         return found
+
+    def agreed(self, plan: solver.Plan | None) -> solver.Plan | None:
+        """Under ZeRO-3, the plan every rank runs at this forward: per layer the strongest of the
+        ranks' modes (plain, the levers between, whole, below whole); a forward that plans nothing
+        joins with none. Elsewhere `plan` itself."""
+        if not self.lockstep:
+            return plan
+        order = _strengths()
+        n = len(self.layers)
+        mine = [order.get(mode, 0) for mode in plan.modes] if plan is not None else [0] * n
+        found = ranks.agree_max(mine)
+        if plan is None:
+            return None
+        whole = levers.WHOLE.name
+        if found is None:
+            modes = [whole] * len(plan.modes)  # no agreement: every layer checkpointed
+        else:
+            names = {strength: name for name, strength in order.items()}
+            modes = [names.get(k, whole) for k in found]
+            modes = [
+                m if m in (solver.PLAIN, whole) or m in self.lever_funcs[i] else whole
+                for i, m in enumerate(modes)
+            ]
+        if modes == plan.modes:
+            return plan
+        return dataclasses.replace(plan, modes=modes)
 
     def apply(self, plan: solver.Plan) -> None:
         for i, (layer, mode) in enumerate(zip(self.layers, plan.modes)):
@@ -199,6 +229,7 @@ class ShapePlans:
 
     def _before(self, args: tuple, kwargs: dict) -> None:
         if not training_forward(kwargs):
+            self.agreed(None)  # under ZeRO-3 every forward joins the ranks' agreement
             return
         model = self.model()
         known = context.known(model) if model is not None else None
@@ -210,7 +241,7 @@ class ShapePlans:
         if found is None:
             return
         available = available_bytes(model, self.chosen) if self.chosen.auto else None
-        self.apply(self.plan_for(*found, available))
+        self.apply(self.agreed(self.plan_for(*found, available)))
         self.ran = True
 
     def _said(self, rows: int, tokens: int, plan: solver.Plan) -> None:
@@ -359,3 +390,13 @@ def _model_bytes(model: Any) -> int:
                 storage = t.untyped_storage()
                 seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _strengths() -> dict[str, int]:
+    """Each mode's place from holding the most to the fewest bytes: plain, the levers between
+    plain and whole (the last filled first), whole, those below whole."""
+    between = [lever.name for lever in levers.every() if not lever.below_whole]
+    between = [name for name in between if name != levers.WHOLE.name][::-1]
+    below = [lever.name for lever in levers.every() if lever.below_whole]
+    order = [solver.PLAIN, *between, levers.WHOLE.name, *below]
+    return {name: i for i, name in enumerate(order)}
