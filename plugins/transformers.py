@@ -1,8 +1,7 @@
 """transformers: both API generations (X1), the Trainer's re-enable (X3), and the rules that
 hold without PEFT (R1, R2, R5, R6; X6: a mask of ones where a Qwen3 multimodal text model would
-read its images as packed sequences).
-
-Patch points, proved per version by tests/process/test_patch_points.py:
+read its images as packed sequences). Patch points, proved per version by
+tests/process/test_patch_points.py:
 - 4.x: `PreTrainedModel.gradient_checkpointing_enable`, the only entry; the Trainer calls it.
 - 5.x: `PreTrainedModel._activation_checkpointing_enable`, which `activation_checkpointing_enable`
   and its deprecated alias `gradient_checkpointing_enable` both reach. Wrapping the public names

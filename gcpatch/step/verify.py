@@ -1,7 +1,5 @@
 """Verify (GCPATCH_VERIFY=1): prove on the user's own job that checkpointing is correct and saves
-memory.
-
-At the first grad-enabled forward of each model gcpatch enabled checkpointing for, before that
+memory. At the first grad-enabled forward of each model gcpatch enabled checkpointing for, before that
 forward runs (gcpatch/step/first_step.py), a slice of its batch is run twice from the same RNG
 state: once with checkpointing as applied, once with every checkpointed block run plainly. The two
 give the trainable parameters' gradients (compared by name), the activation bytes the forward
@@ -9,10 +7,8 @@ saved, and how often each checkpointed block ran in the backward (double recompu
 checkpoint the same blocks). Nothing the user's step sees changes (gcpatch/step/invisible.py): the
 RNG streams, the buffers, the parameters' `.grad` objects, every hook and swapped function are put
 back, and the passes call the model itself, never a DDP wrapper, so no collective and no reducer
-work is triggered.
-
-`check()` is the measurement itself, also used by the pytest plugin; `run()` is the first step's
-verification, with fix mode's correction.
+work is triggered. `check()` is the measurement (the pytest plugin's too); `run()` the first
+step's verification, with fix mode's correction.
 """
 
 from __future__ import annotations
