@@ -1,10 +1,11 @@
 """GCPATCH_MEMORY_BUDGET across the model-family table: every family (decoder-only, MoE, seq2seq,
 audio, encoder-only, vision, two towers, VLMs, PEFT LoRA) trains three steps with checkpointing
 enabled and each step's gradients match the model trained without checkpointing
-(scripts/budget_families.py). The plan is measured between the first forward and its backward, so
-the measuring forwards must leave every tensor that forward saved as it was: Gemma's embedding
-normalizer and BERT's, CLIP's and LLaVA's index buffers once came back with a new version and the
-first backward was refused ('modified by an inplace operation'). Each family gets one budget line."""
+(scripts/budget_families.py). The first step is probed from within (gcpatch/step/probe.py:
+saved-tensor hooks around each layer's checkpoint, a dispatch mode in its forward), so every
+tensor that step saves must reach its backward as it was; the second step runs the plan made at
+its forward, the third the same plan again. Each family gets one budget line, and the VLMs are
+planned at a batch of three rows, with their multimodal position_ids passed in."""
 
 from __future__ import annotations
 
@@ -14,15 +15,12 @@ from _run import V5, Spec
 
 SCRIPT = "budget_families.py"
 BUDGET = {"GCPATCH_MEMORY_BUDGET": "0.5"}
-# three rows: Qwen2-VL's first rows run with the images they stand for (gcpatch/step/media.py)
-THREE_ROWS = ("--rows", "3", "qwen2_vl", "llava")
-# and with its multimodal position_ids passed in (sections x rows x tokens: gcpatch/step/batch.py)
-POSITIONS = ("--rows", "3", "--positions", "qwen2_vl")
-# Qwen2.5-VL and Qwen3-VL merge 2 x 2 patches into a token: four pixel rows per placeholder
-MERGED = ("--rows", "3", "--positions", "qwen2_5_vl", "qwen3_vl")
-RUNS = [
-    Spec(SCRIPT, args, env=tuple(BUDGET.items())) for args in ((), THREE_ROWS, POSITIONS, MERGED)
-]
+# three rows: Qwen2-VL's images come flattened across them (pixel_values with image_grid_thw),
+# the Qwen VLMs' multimodal position_ids passed in (sections x rows x tokens: gcpatch/step/batch.py);
+# Qwen2.5-VL and Qwen3-VL merge 2 x 2 patches into a token (four pixel rows per placeholder)
+VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+THREE_ROWS = ("--rows", "3", "--positions", *VLMS)
+RUNS = [Spec(SCRIPT, args, env=tuple(BUDGET.items())) for args in ((), THREE_ROWS)]
 
 
 def _families(script_runs, gcpatch: bool) -> tuple:
@@ -54,46 +52,22 @@ def test_each_family_is_planned_or_told_why_not(script_runs):
     assert unplanned == [], unplanned
 
 
-def test_a_vlm_whose_images_come_flattened_across_rows_is_planned_at_any_batch(script_runs):
-    """Qwen2-VL's pixel_values hold every image's patches one after the other: a batch of three
-    rows is measured on its first rows with their own images, planned, and exact."""
+def test_vlms_are_planned_at_three_rows_with_their_position_ids_and_exact(script_runs):
+    """Qwen2-VL (its images' patches one after the other across the rows), Qwen2.5-VL and Qwen3-VL
+    (a placeholder token for four pixel rows) with their position_ids passed in, and LLaVA, at a
+    batch of three rows: each probed at its first step, planned for three rows, and exact on every
+    step. (The budget once ran its own forwards on the first rows, cutting the images and the
+    position_ids with them; the probe reads the user's own step, whole.)"""
     run = script_runs.get(SCRIPT, *THREE_ROWS, gcpatch=True, env=BUDGET)
-    assert run.result["rows"] == 3
-    assert run.result["families"] == {
-        name: {"error": None, "wrong": [0, 0, 0]} for name in ("qwen2_vl", "llava")
-    }
-    lines = [m for m in run.messages() if m.startswith("gcpatch: rank 0 budget ")]
-    assert len(lines) == 2, lines
-    assert all("layers checkpointed" in line for line in lines), lines
-    assert _planned_rows(run) == [3] * len(lines), lines
-
-
-def test_a_vlms_multimodal_position_ids_are_cut_with_its_rows(script_runs):
-    """Qwen2-VL's position_ids passed in are sections x rows x tokens: the measuring pass takes
-    the first rows from their second dimension. Cut on the first (the sections), the pass failed
-    (`mat1 and mat2 shapes cannot be multiplied`) and no plan was made."""
-    run = script_runs.get(SCRIPT, *POSITIONS, gcpatch=True, env=BUDGET)
     assert run.result["rows"] == 3 and run.result["positions"]
-    assert run.result["families"] == {"qwen2_vl": {"error": None, "wrong": [0, 0, 0]}}
-    [line] = [m for m in run.messages() if m.startswith("gcpatch: rank 0 budget ")]
-    assert "layers checkpointed" in line and _planned_rows(run) == [3], line
-
-
-def test_vlms_that_merge_patches_into_a_token_are_planned_at_any_batch(script_runs):
-    """Qwen2.5-VL and Qwen3-VL (spatial_merge_size 2: a placeholder token stands for four pixel
-    rows), three rows with their position_ids passed in: each first row gets its own image's
-    patches, planned, and exact."""
-    run = script_runs.get(SCRIPT, *MERGED, gcpatch=True, env=BUDGET)
-    assert run.result["families"] == {
-        name: {"error": None, "wrong": [0, 0, 0]} for name in ("qwen2_5_vl", "qwen3_vl")
-    }
+    assert run.result["families"] == {name: {"error": None, "wrong": [0, 0, 0]} for name in VLMS}
     lines = [m for m in run.messages() if m.startswith("gcpatch: rank 0 budget ")]
-    assert len(lines) == 2, lines
+    assert len(lines) == len(VLMS), lines
     assert all("layers checkpointed" in line for line in lines), lines
-    assert _planned_rows(run) == [3] * len(lines), lines
+    assert _planned_rows(run) == [3] * len(VLMS), lines
 
 
 def _planned_rows(run) -> list[int]:
-    """The rows of the batch each first plan was made at, from its record (the line may leave the
-    shape out to stay within two rows)."""
+    """The rows of the batch each first plan was made for (the second step's), from its record
+    (the line may leave the shape out to stay within two rows)."""
     return [r["budget"]["shape"][0] for r in run.records() if r.get("stage") == "budget"]

@@ -70,9 +70,7 @@ class CostModel:
 
     def at(self, rows: int, tokens: int) -> tuple[list[LayerCost], float, float]:
         """The layers' costs at this shape (bytes held: the bound that errs towards more), what is
-        held outside them (a mask the checkpoints' calls hold counted as held: where no layer is
-        checkpointed it is not, erring towards more), and the user's job without checkpointing
-        (the bound towards less)."""
+        held outside them, and the user's job without checkpointing (the bound towards less)."""
         r = rows / max(1, self.shape[0])
         t = tokens / max(1, self.shape[1])
         out = []
@@ -88,11 +86,15 @@ class CostModel:
             seconds = layer.seconds * r * t
             cost = {name: seconds * share for name, share in layer.shares.items()}
             out.append(LayerCost(f"{i}", layer.kind, held, cost, dict(layer.counted)))
-        outside = self.outside.at(r, t) + self.calls.at(r, t)
+        outside = self.outside.at(r, t)
         baseline = self.outside.at(r, t, upper=False) + sum(
             layer.baseline.at(r, t, upper=False) for layer in self.layers
         )
         return out, outside, baseline
+
+    def calls_at(self, rows: int, tokens: int) -> float:
+        """What the checkpoints' calls hold at this shape while any layer is checkpointed."""
+        return self.calls.at(rows / max(1, self.shape[0]), tokens / max(1, self.shape[1]))
 
     def drop(self, index: int, name: str, why: str) -> None:
         """Layer `index` no longer offers lever `name` (a step showed it did not fire)."""

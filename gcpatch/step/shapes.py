@@ -98,14 +98,15 @@ class ShapePlans:
         self.ran = False  # a training forward ran with a plan this hook applied
         self.after: Any = None
         self.receipts = (
-            receipts.Receipts(name, accelerator_of(model) is not None)
+            receipts.Receipts(name, bool(layers) and accelerator_of(layers[0]) is not None)
             if settings.read().verify and model is not None
             else None
         )
         self.tighter: dict[tuple, float] = {}  # shape key -> what its step overshot its plan by
         # ZeRO-3 gathers a layer's parameters again in its recompute: every rank must run one
         # plan at each step, or their gathers pair up wrongly (a hang); the ranks agree on it
-        self.lockstep = model is not None and any(hasattr(p, "ds_id") for p in model.parameters())
+        # (read off the layers: a deep copy's model is still being built when its plans are)
+        self.lockstep = any(hasattr(p, "ds_id") for m in layers for p in m.parameters())
 
     def plan_for(self, rows: int, tokens: int, available: float | None = None) -> solver.Plan:
         """The plan for this shape (and, under `auto`, this much room): cached, or solved."""
@@ -116,7 +117,7 @@ class ShapePlans:
             return found
         layers, outside, baseline = self.costs.at(rows, tokens)
         limit = self.chosen.limit(baseline, available) / self.tighter.get(key, 1.0)
-        found = solver.solve(layers, outside, limit)
+        found = solver.solve(layers, outside, limit, self.costs.calls_at(rows, tokens))
         found.baseline = baseline
         self.plans[key] = found
         if self.receipts is not None and key not in self.tighter:

@@ -175,7 +175,7 @@ class Plan:
         return None
 
 
-def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
+def solve(layers: Sequence[LayerCost], outside: float, limit: float, calls: float = 0.0) -> Plan:
     """The plan holding at most `limit` bytes with the least recompute (ties: fewer bytes held);
     a limit below the floor gives every layer its option holding the fewest bytes. Each layer's
     options (`LayerCost.options`) make it a multiple-choice knapsack, solved exactly over the
@@ -183,11 +183,12 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
     SLACK of full checkpointing's recompute of the cheapest are one price and the one recomputing
     the fewest matmul FLOPs wins. A lever priced no lower than its counted FLOPs
     (gcpatch/step/cost_model.py) so never makes a plan recompute more of them than the cheapest
-    plan of whole layers alone: that plan is within the bound, or dearer than the one taken."""
+    plan of whole layers alone: that plan is within the bound, or dearer than the one taken.
+    `calls`: what the checkpoints' calls hold while any layer is checkpointed (a mask)."""
     plain_total = outside + sum(layer.plain for layer in layers)
-    floor = outside + sum(layer.least for layer in layers)
+    floor = outside + calls + sum(layer.least for layer in layers)
     full_s = sum(layer.seconds for layer in layers if layer.shed > 0)
-    need = plain_total - limit
+    need = plain_total - limit if plain_total <= limit else plain_total + calls - limit
     exact = True
     modes = [PLAIN] * len(layers)
     if need <= 0:
@@ -206,6 +207,7 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float) -> Plan:
             modes[i] = mode
         modes = _spread(layers, modes)
     total = outside + sum(layer.held(mode) for layer, mode in zip(layers, modes))
+    total += calls if any(mode != PLAIN for mode in modes) else 0.0
     return Plan(
         modes=modes,
         limit=limit,

@@ -1,6 +1,6 @@
 """Verify (GCPATCH_VERIFY=1): prove on the user's own job that checkpointing is correct and saves
-memory. At the first grad-enabled forward of each model gcpatch enabled checkpointing for, before that
-forward runs (gcpatch/step/first_step.py), a slice of its batch is run twice from the same RNG
+memory. At the first grad-enabled forward of each model gcpatch enabled checkpointing for, before
+that forward runs (gcpatch/step/first_step.py), a slice of its batch is run twice from the same RNG
 state: once with checkpointing as applied, once with every checkpointed block run plainly. The two
 give the trainable parameters' gradients (compared by name), the activation bytes the forward
 saved, and how often each checkpointed block ran in the backward (double recompute when two tools

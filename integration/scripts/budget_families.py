@@ -1,9 +1,9 @@
 """Every family of the model-family table (scripts/families.py builds each tiny model from a config)
 trained three SGD steps with checkpointing enabled, each step's gradients against the same model
-trained without checkpointing. Under GCPATCH_MEMORY_BUDGET the first step's forward is followed by
-gcpatch's measuring forwards before its backward runs: a backward refused there ('modified by an
-inplace operation': a buffer the forward saved) or a gradient off shows up per family. Ordinary
-user code: nothing here imports gcpatch.
+trained without checkpointing. Under GCPATCH_MEMORY_BUDGET gcpatch probes the first step from
+within and plans from the second: a backward refused there ('modified by an inplace operation': a
+tensor the forward saved) or a gradient off shows up per family. Ordinary user code: nothing here
+imports gcpatch.
 
 usage: budget_families.py [--rows N] [--positions] [FAMILY ...]     prints one line: RESULT {json}
   --rows: the batch's rows (the table's 2 by default); Qwen2-VL's images come flattened across

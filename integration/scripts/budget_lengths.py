@@ -10,12 +10,14 @@ with the run without checkpointing (same weights, same batch, same RNG seed; no 
 every step sees the same weights), and its layers' checkpointing flags read.
 
 usage: budget_lengths.py --budget size|fraction|auto [--attn eager|sdpa] [--family llama|qwen2]
-                         [--between eval,generate,disable]
+                         [--hidden N] [--between eval,generate,disable]
   size:      an absolute budget, half of what the 128-token step holds without checkpointing
   fraction:  GCPATCH_MEMORY_BUDGET=0.5
   auto:      auto with a stated capacity (auto:<bytes>B): the model's weights plus the same room
              as `size`, plus the margin
   --mode eval: the model trained while left in eval mode (both runs; dropout off)
+  --hidden:  the hidden size (intermediate three times it) instead of 32, the first step's token
+             count (at 16 no size of a layer's weights is a token count of the first step)
   --between: an eval forward and/or a generate call of other lengths after the third step;
              disable: checkpointing disabled for a training step of another length, then enabled
 prints one line: RESULT {json}
@@ -38,6 +40,8 @@ AUTO_MARGIN = 0.1  # gcpatch's documented margin under auto (docs/BUDGET.md)
 def build(args):
     torch.manual_seed(0)
     common = {**CONFIG, "max_position_embeddings": 512}
+    if getattr(args, "hidden", 0):
+        common.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden)
     if args.family == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -127,6 +131,7 @@ def main() -> None:
     parser.add_argument("--family", choices=("llama", "qwen2"), default="llama")
     parser.add_argument("--mode", choices=("train", "eval"), default="train")
     parser.add_argument("--between", default="")
+    parser.add_argument("--hidden", type=int, default=0)
     global ARGS
     ARGS = args = parser.parse_args()
     warnings.filterwarnings("ignore")

@@ -1,16 +1,19 @@
-"""An 8-layer Llama (hidden 256, sdpa attention, batch 2 x 1024 tokens) trained three steps under
-GCPATCH_MEMORY_BUDGET (0.5, or --budget), against the same model without checkpointing and with
-full checkpointing. Ordinary user code: nothing here imports gcpatch.
+"""A small Llama (4 layers, hidden 64, vocab 64, sdpa attention, batch 2 x 256 tokens; --layers,
+--hidden and --tokens change them) trained three steps under GCPATCH_MEMORY_BUDGET (0.5, or
+--budget), against the same model without checkpointing and with full checkpointing. Ordinary user
+code: nothing here imports gcpatch. The first step runs fully checkpointed while gcpatch probes it;
+the plan holds from the second step on, and the third step's figures are the ones reported.
 
 Per run the script measures by itself: what the forward of the last step holds for the backward
 (budget_train's dispatch mode), the FLOPs the step runs beyond the forward's (torch.utils.
 flop_counter: a backward with checkpointing recomputes, so its FLOPs minus those of the backward
 without checkpointing are the recompute), every gradient against the run without checkpointing,
-how each layer runs (plain, checkpointed, checkpointed with a selective `context_fn`: the lever
-its policy names, or its feed-forward block alone), what share of full checkpointing's recompute
-is the fused attention kernel's forward (the part a layer keeping its attention output does not
-recompute), and what a layer run plain with its MLP alone checkpointed recomputes against a whole
-layer (every layer's MLP checkpointed by hand, as a user could write it).
+how each layer runs (plain, whole, checkpointed with a selective `context_fn`: keeping the matmuls
+or the attention kernel's output alone, or its feed-forward block alone checkpointed), what share
+of full checkpointing's recompute is the fused attention kernel's forward (the part a layer
+keeping its attention output does not recompute), and what a layer run plain with its MLP alone
+checkpointed recomputes against a whole layer (every layer's MLP checkpointed by hand, as a user
+could write it).
 
 usage: budget_selective.py [--setup loop|lora|trainer] [--dropout 0.1]
   loop:    a training loop, `gradient_checkpointing_enable()`
@@ -23,9 +26,10 @@ usage: budget_selective.py [--setup loop|lora|trainer] [--dropout 0.1]
   --budget: GCPATCH_MEMORY_BUDGET (default 0.5)
   --dtype: the model's dtype (float32 by default; in bfloat16 a layer's norm saves an fp32 copy
            of its input, so only a checkpoint holds the input itself)
-  --tokens: each step's token count (default 1024,1024,1024; the Trainer's steps take the first);
+  --tokens: each step's token count (default 256,256,256; the Trainer's steps take the first);
            lengths that differ (the loop alone) report each step against the same step without
            checkpointing, and nothing else
+  --layers, --hidden: the model's layers and hidden size (intermediate 11/4 of it)
 prints one line: RESULT {json}
 """
 
@@ -41,7 +45,7 @@ from budget_train import HeldBytes, StepProbe
 from torch.utils import flop_counter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-BATCH, TOKENS, LAYERS = 2, 1024, 8
+BATCH, TOKENS, LAYERS, HIDDEN, VOCAB = 2, 256, 4, 64, 64
 
 
 def build(args):
@@ -49,23 +53,25 @@ def build(args):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=LAYERS,
+        vocab_size=VOCAB,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         attention_dropout=args.dropout,
         tie_word_embeddings=False,
         use_cache=False,
-        max_position_embeddings=TOKENS,
+        max_position_embeddings=max(args.tokens),
     )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config).to(getattr(torch, args.dtype))
 
 
-def ids():
-    return torch.randint(0, 256, (BATCH, TOKENS), generator=torch.Generator().manual_seed(3))
+def ids(args):
+    return torch.randint(
+        0, VOCAB, (BATCH, max(args.tokens)), generator=torch.Generator().manual_seed(3)
+    )
 
 
 def lora(model, args):
@@ -96,7 +102,7 @@ def run(args, checkpointing) -> dict:
     if args.setup == "lora":
         model = lora(model, args)
     model.train()
-    batch = ids()
+    batch = ids(args)
     out = {"steps": []}
     # the plan is made after the first forward; the later steps run it (each new length its own)
     for step, length in enumerate(args.tokens):
@@ -153,7 +159,7 @@ def trainer(args, checkpointing) -> dict:
     Measuring(
         model=model,
         args=arguments,
-        train_dataset=c.Batch(ids()[:, : args.tokens[0]]),
+        train_dataset=c.Batch(ids(args)[:, : args.tokens[0]]),
         optimizers=(probe, None),
     ).train()
     out["grads"], out["modes"] = probe.grads, modes(model)
@@ -201,6 +207,9 @@ def modes(model) -> list[str]:
 
 
 def _mode(layer) -> str:
+    """How the layer runs, read off its flag and checkpoint function: plain, whole, its feed-forward
+    block alone checkpointed, or a selective policy keeping the matmuls (the matmul operators among
+    those it keeps) or the attention kernel's output alone."""
     if not getattr(layer, "gradient_checkpointing", False):
         return "plain"
     func = getattr(layer, "_gradient_checkpointing_func", None)
@@ -208,8 +217,11 @@ def _mode(layer) -> str:
         return "feed-forward"
     context_fn = getattr(func, "keywords", {}).get("context_fn")
     if context_fn is None:
-        return "full"
-    return getattr(getattr(context_fn, "__self__", None), "lever", "selective")
+        return "whole"
+    kept = getattr(getattr(context_fn, "__self__", None), "ops", None)
+    if kept is None:
+        return "selective"
+    return "keep-matmuls" if torch.ops.aten.mm.default in kept else "keep-attention"
 
 
 def main() -> None:
@@ -220,6 +232,8 @@ def main() -> None:
     parser.add_argument("--budget", default="0.5")
     parser.add_argument("--tokens", default=f"{TOKENS},{TOKENS},{TOKENS}")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--layers", type=int, default=LAYERS)
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     warnings.filterwarnings("ignore")
@@ -233,6 +247,7 @@ def main() -> None:
     budget = run(args, checkpointing=True)
     os.environ.pop("GCPATCH_MEMORY_BUDGET")
     compared = c.compare_grads(budget["grads"], plain["grads"], atol=0.0)
+    dtype = getattr(torch, args.dtype)
     full_recompute = full["flops"] - plain["flops"]
     c.emit(
         {
@@ -246,6 +261,9 @@ def main() -> None:
             # the process's peak resident memory over the runs, MiB (Linux: KiB)
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "modes": budget["modes"],
+            "layers": args.layers,
+            # one layer's input: batch x tokens x hidden
+            "hidden_state_bytes": BATCH * args.tokens[-1] * args.hidden * dtype.itemsize,
             "wrong": compared["wrong"],
             "grad_none": compared["grad_none"],
             "trainable": compared["trainable"],

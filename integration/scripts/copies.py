@@ -290,11 +290,11 @@ def _copied_while_armed(steps: int) -> dict:
 
 
 def _copied_after_the_plan() -> dict:
-    """An 8-layer Llama planned under the budget (its first step measured it), then deep-copied
-    (an EMA or reference copy made mid-training); the copy trains on batches of 32, 128 and 256
-    tokens, the original after it on 64. Per step: what the forward held (budget_train's
-    dispatch mode) against the same model without checkpointing, and the gradients; the
-    original's layer flags before and after the copy's steps."""
+    """An 8-layer Llama planned under the budget (its first step probed, its second planned at its
+    forward and run so), then deep-copied (an EMA or reference copy made mid-training); the copy
+    trains on batches of 32, 128 and 256 tokens, the original after it on 64. Per step: what the forward held (budget_train's
+    dispatch mode) against the same model without checkpointing, the gradients, and how each
+    layer ran; how the original's layers run before and after the copy's steps."""
     from budget_train import HeldBytes, llama
 
     def held_step(model, tokens: int, seed: int) -> tuple[int, dict]:
@@ -309,11 +309,27 @@ def _copied_after_the_plan() -> dict:
         loss.backward()
         return alive, c.trainable_grads(model)
 
+    def modes(m) -> list[str]:
+        """How each layer runs: plain, whole, its feed-forward block alone checkpointed, or
+        checkpointed with a selective policy (its flag and its checkpoint function)."""
+        out = []
+        for layer in m.model.layers:
+            func = getattr(layer, "_gradient_checkpointing_func", None)
+            if not layer.gradient_checkpointing:
+                out.append("plain")
+            elif type(func).__name__ == "FeedForward":
+                out.append("feed-forward")
+            else:
+                selective = "context_fn" in getattr(func, "keywords", {})
+                out.append("selective" if selective else "whole")
+        return out
+
     model = llama().train()
     model.gradient_checkpointing_enable()
-    held_step(model, 64, 1)  # the first step: measured, planned
+    held_step(model, 64, 1)  # the first step: probed
+    held_step(model, 64, 2)  # the second: its plan made at its forward, and run
     twin = copy.deepcopy(model)
-    before = [bool(layer.gradient_checkpointing) for layer in model.model.layers]
+    before = modes(model)
     steps = []
     for name, m, tokens in (
         ("copy", twin, 32),
@@ -333,15 +349,14 @@ def _copied_after_the_plan() -> dict:
                 "plain_held": plain_held,
                 "wrong": c.compare_grads(got, want, atol=0.0)["wrong"],
                 "flags": [bool(layer.gradient_checkpointing) for layer in m.model.layers],
+                "modes": modes(m),
             }
         )
         if name == "copy":
-            steps[-1]["original_flags"] = [
-                bool(layer.gradient_checkpointing) for layer in model.model.layers
-            ]
+            steps[-1]["original_modes"] = modes(model)
     return {
         "steps": steps,
-        "original_flags_at_copy": before,
+        "original_modes_at_copy": before,
         "wrong": sum(s["wrong"] for s in steps),
     }
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_memory_budget_benchmark_quick(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.update(HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [
             sys.executable,
@@ -49,6 +49,7 @@ def test_memory_budget_benchmark_quick(tmp_path):
         rows["1.0"]["gcpatch_checkpointed"] == 0
     )  # the whole no-checkpointing step fits: nothing recomputed
     half = rows["0.5"]
-    assert 0 < half["gcpatch_checkpointed"] and half["gcpatch_modes"] != ["full"] * 4, half
+    # fewer whole layers than all meet 0.5: no plan runs every layer whole
+    assert 0 < half["gcpatch_checkpointed"] and half["gcpatch_modes"] != ["whole"] * 4, half
     assert half["bytes"]["gcpatch"] <= 0.5 * 1.05 * half["bytes"]["plain"]
     assert "| 4 | 32 | 0.5 |" in (tmp_path / "MEMORY_BUDGET.md").read_text()

@@ -241,7 +241,7 @@ def _below_whole(model, layers, step):
         m._gradient_checkpointing_func = levers.own(m._gradient_checkpointing_func)
     costs = _probed(model, layers, step, (1, 16))
     at, outside, _ = costs.at(1, 16)
-    limit = outside + at[0].held(WHOLE)
+    limit = outside + costs.calls_at(1, 16) + at[0].held(WHOLE)
     assert limit < outside + sum(c.held(WHOLE) for c in at)  # whole's floor
     return shapes.ShapePlans(model, layers, costs, parse(f"{int(limit) + 1}B"), "m")
 

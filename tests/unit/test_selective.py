@@ -230,7 +230,7 @@ def _planned(model, costs, name: str):
                 costs.drop(costs.layers.index(layer), other, "not in this test")
         layer.shares, layer.seconds = {WHOLE: 1.0, name: 0.1}, 1.0
     at, outside, _ = costs.at(*IDS.shape)
-    limit = outside + sum(layer.held(name) for layer in at)
+    limit = outside + costs.calls_at(*IDS.shape) + sum(layer.held(name) for layer in at)
     plans = shapes.ShapePlans(model, _decoder_layers(model), costs, parse(f"{int(limit)}B"), "m")
     first = plans.plan_for(*IDS.shape)
     assert first.modes == [name] * len(at), first.modes
