@@ -7,6 +7,7 @@ has already imported the frameworks, which are most of a tiny run's cost)."""
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -62,16 +63,20 @@ def script_runs(request, tmp_path_factory) -> ScriptRuns:
     workers = int(os.environ.get("GCPATCH_IT_WORKERS", "0")) or max(1, min(4, os.cpu_count() or 1))
     runs = ScriptRuns(tmp_path_factory.mktemp("scripts"), workers)
     request.config._gcpatch_script_runs = runs._futures
-    # Start every run the selected tests' modules declare, plain and with gcpatch.
+    # Start every run the selected tests' modules declare, plain and with gcpatch; a module some of
+    # whose tests `-m` or `-k` left out (tf457's budget files) starts only what its selected tests ask.
     seen = []
     for item in request.session.items:
         module = getattr(item, "module", None)
         if module is not None and module not in seen:
             seen.append(module)
+    partly = getattr(request.config, "_gcpatch_partly_selected", set())
     for module in seen:
         if getattr(
             module, "OUT_OF_RANGE", ""
         ):  # skipped on this release, with that reason: nothing to run
+            continue
+        if module.__name__ in partly:
             continue
         for spec in getattr(module, "RUNS", ()):
             runs.submit(spec)
@@ -107,6 +112,31 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         )
         figures = {k: run.result[k] for k in keys if k in run.result}
         terminalreporter.write_line(f"{run.wall_s:5.1f}s  {spec.label()}  {figures}")
+
+
+# The memory-budget tests, by file name (docs/CI.md): CI runs them on the newest transformers alone
+# (tf525-it); on 4.57 (tf457) only those also marked budget_all_generations, where what they prove
+# differs between the generations. The full matrix runs them all (matrix/run.py --tests suite).
+BUDGET_FILE = re.compile(r"test_(memory_)?budget\w*\.py")
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        if path.parent == HERE and BUDGET_FILE.fullmatch(path.name):
+            item.add_marker("budget")
+
+
+def pytest_deselected(items):
+    """The modules with a test left out: their `RUNS` start only as their selected tests ask."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None:
+            if not hasattr(item.config, "_gcpatch_partly_selected"):
+                item.config._gcpatch_partly_selected = set()
+            item.config._gcpatch_partly_selected.add(module.__name__)
 
 
 def pytest_configure(config):

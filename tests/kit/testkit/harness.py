@@ -27,7 +27,9 @@ def child_env(quiet: bool = False, **extra: str) -> dict[str, str]:
     """The caller's environment without GCPATCH* or PYTHONPATH (name them in `extra`), offline;
     `quiet` also mutes Python's and transformers' warnings for tests that do not look at them.
     Threads are the caller's (torch's default where it sets none): a test's result may not depend
-    on them; a benchmark that times pins its own (benchmarks/_releases.py, benchmarks/measure.py)."""
+    on them; a benchmark that times pins its own. An idle OpenMP thread sleeps where the caller
+    says nothing else (OMP_WAIT_POLICY=PASSIVE, as tox.ini sets it): the suites run processes side
+    by side, whose spinning threads otherwise stall each other on shared cores (docs/CI.md)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GCPATCH") and k != "PYTHONPATH"}
     env.update(
         HF_HUB_OFFLINE="1",
@@ -36,6 +38,7 @@ def child_env(quiet: bool = False, **extra: str) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         PYTHONDONTWRITEBYTECODE="1",
     )
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if quiet:
         env.update(TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     env.update(extra)
