@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_links import prose  # the one reader of a page's prose (tests/docs, rootdir-relative)
 
 ROOT = Path(__file__).resolve().parents[2]
 README, CI = ROOT / "README.md", ROOT / "docs" / "CI.md"
@@ -41,18 +42,6 @@ SETTINGS = {
     "at most 60 minutes": "the target for `bash .ci/run` beside a second run",
     "at most 60 s": "the target for `bash .ci/run quick`",
 }
-FENCE = re.compile(r"^\s*(```|~~~)")
-
-
-def prose(text: str) -> list[str]:
-    """The lines outside fenced code blocks."""
-    lines, fenced = [], False
-    for line in text.splitlines():
-        if FENCE.match(line):
-            fenced = not fenced
-        elif not fenced:
-            lines.append(line)
-    return lines
 
 
 def table_after(lines: list[str], heading: str, header: list[str]) -> tuple[list[dict], set[int]]:
