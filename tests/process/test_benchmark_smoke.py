@@ -25,6 +25,7 @@ def _installed(name: str) -> bool:
 
 
 pytestmark = [
+    pytest.mark.slow,  # out of CI's tf525-unit: docs/CI.md
     pytest.mark.skipif(not _installed("transformers"), reason="transformers not installed"),
     pytest.mark.skipif(not _installed("torch"), reason="torch not installed"),
     pytest.mark.skipif(

@@ -11,6 +11,7 @@ import pytest
 from testkit.harness import result_of, run_python
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # out of CI's tf525-unit: docs/CI.md
 
 CYCLES = 1000
 # Two decisions a cycle (the enable and the disable), each written once and then as a count at the
