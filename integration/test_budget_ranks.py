@@ -41,6 +41,10 @@ PLAN = re.compile(
     r" (?P<m>\d+) layers checkpointed"
 )
 NOT_APPLIED = re.compile(r"gcpatch: rank \d+ budget .+?: memory budget \S+ not applied")
+AGREED = re.compile(
+    r"gcpatch: rank (?P<rank>\d+) budget .+?: (?P<rows>\d+) x (?P<tokens>\d+) tokens, the ranks'"
+    r" agreed plan .+?: (?P<n>\d+) of (?P<m>\d+) layers checkpointed"
+)
 
 # set-up: (the script's arguments, the budget)
 SETUPS = {
@@ -284,3 +288,25 @@ def test_every_sharded_step_has_the_full_gradients_of_the_job_without_checkpoint
     losses = [[[s["loss"] for s in r["steps"]] for r in x.results] for x in (run, reference)]
     assert _wrong_gradients(run, reference) == [], losses
     assert losses[0] == losses[1]
+
+
+ZERO3_CASES = [case for case in SHARDED_CASES if case.values[0] == "zero3"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine,tune,budget", ZERO3_CASES)
+def test_under_zero3_each_rank_says_the_plan_the_ranks_run(script_runs, engine, tune, budget):
+    """ZeRO-3's ranks run one plan per step, the layer-wise strongest of their own (each rank
+    plans from its own batch shape): the first plan line gives the layers the next backward
+    recomputes, and where the agreed plan is not the rank's own, a line says the agreed one,
+    with the layers that step's backward recomputed. Before, each rank said its own plan."""
+    run, _ = _sharded(script_runs, engine, tune, budget)
+    plans = _plans(run)
+    agreed = [found for found in map(AGREED.match, run.messages()) if found]
+    for result in run.results:
+        rank, steps = result["rank"], [s for s in result["steps"] if s.get("held") is not None]
+        assert steps[1]["recomputed"] == int(plans[rank][0]["n"]), (plans[rank][0].group(0), steps)
+        for found in (f for f in agreed if int(f["rank"]) == rank):
+            shape = (int(found["rows"]), int(found["tokens"]))
+            ran = [s["recomputed"] for s in steps[1:] if (s["rows"], s["tokens"]) == shape]
+            assert int(found["n"]) in ran, (found.group(0), ran)

@@ -82,7 +82,7 @@ def plan(
             plans = ShapePlans(model, layers, costs, chosen, name)
             rows, tokens = batch_shape(torch, args, kwargs) or facts.shape
             available = available_bytes(model, chosen) if chosen.auto else None
-            first = plans.agreed(plans.plan_for(rows, tokens, available))
+            first = plans.agreed(plans.plan_for(rows, tokens, available), rows, tokens)
             plans.apply(first)
             plans.install(module)
             outcome = Outcome(plan=first, shape=(rows, tokens), costs=costs)

@@ -13,7 +13,6 @@ the floor, at most MAX_LINES lines; every new shape's plan to the record (MAX_RE
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import sys
 import weakref
@@ -82,6 +81,7 @@ class ShapePlans:
         self.lines = 0
         self.recorded = 0
         self.said_changed = self.said_floor = False
+        self.said_agreed: set[tuple] = set()  # (rows, tokens, modes) of agreed plans said
         self.handle: Any = None
         # each layer's own checkpoint function, and it under each lever the layer is offered
         self.funcs = [levers.own(vars(m).get("_gradient_checkpointing_func")) for m in layers]
@@ -127,10 +127,12 @@ class ShapePlans:
         self._said(rows, tokens, found)
         return found
 
-    def agreed(self, plan: solver.Plan | None) -> solver.Plan | None:
-        """Under ZeRO-3, the plan every rank runs at this forward: per layer the strongest of the
-        ranks' modes (plain, the levers between, whole, below whole); a forward that plans nothing
-        joins with none. Elsewhere `plan` itself."""
+    def agreed(
+        self, plan: solver.Plan | None, rows: int = 0, tokens: int = 0
+    ) -> solver.Plan | None:
+        """Under ZeRO-3, the plan every rank runs at this forward (of shape rows x tokens): per
+        layer the strongest of the ranks' modes (plain, the levers between, whole, below whole),
+        its figures its own; a forward that plans nothing joins with none. Elsewhere `plan`."""
         if not self.lockstep:
             return plan
         order = _strengths()
@@ -151,7 +153,44 @@ class ShapePlans:
             ]
         if modes == plan.modes:
             return plan
-        return dataclasses.replace(plan, modes=modes)
+        layers, outside, _ = self.costs.at(rows, tokens)
+        ran = solver.with_modes(plan, layers, outside, self.costs.calls_at(rows, tokens), modes)
+        self._said_agreed(rows, tokens, plan, ran)
+        return ran
+
+    def _said_agreed(self, rows: int, tokens: int, own: solver.Plan, ran: solver.Plan) -> None:
+        """Once per shape and agreed plan: what the ranks run where it is not this rank's own."""
+        key = (rows, tokens, tuple(ran.modes))
+        if key in self.said_agreed:
+            return
+        if len(self.said_agreed) >= MAX_CACHED:
+            self.said_agreed.clear()
+        self.said_agreed.add(key)
+        size = budget_mod.size
+        line = (
+            f"gcpatch: rank {rank()} budget {self.name}: {rows} x {tokens} tokens, the ranks'"
+            f" agreed plan (ZeRO-3 runs one plan on every rank): {ran.count} of"
+            f" {len(ran.modes)} layers checkpointed{plan_lines.levers_text(ran)}; activations"
+            f" {size(ran.total)} (this rank's own plan: {own.count} layers, {size(own.total)})"
+        )
+        level = logging.DEBUG
+        if self.lines < MAX_LINES:
+            self.lines += 1
+            level = logging.INFO
+        log.log(level, "%s", headline.wrap(line))
+        if self.recorded < MAX_RECORDED:
+            self.recorded += 1
+            record.event(
+                {
+                    "stage": "budget-agreed",
+                    "model": self.name,
+                    "line": line,
+                    "shape": [rows, tokens],
+                    "own": plan_dict(own),
+                    "plan": plan_dict(ran),
+                },
+                settings.read().record_dir,
+            )
 
     def apply(self, plan: solver.Plan) -> None:
         for i, (layer, mode) in enumerate(zip(self.layers, plan.modes)):
@@ -242,7 +281,7 @@ class ShapePlans:
         if found is None:
             return
         available = available_bytes(model, self.chosen) if self.chosen.auto else None
-        self.apply(self.agreed(self.plan_for(*found, available)))
+        self.apply(self.agreed(self.plan_for(*found, available), *found))
         self.ran = True
 
     def _said(self, rows: int, tokens: int, plan: solver.Plan) -> None:

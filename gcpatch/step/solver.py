@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 from gcpatch.step import levers
@@ -206,18 +206,34 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float, calls: floa
         for i, mode in found:
             modes[i] = mode
         modes = _spread(layers, modes)
-    total = outside + sum(layer.held(mode) for layer, mode in zip(layers, modes))
-    total += calls if any(mode != PLAIN for mode in modes) else 0.0
     return Plan(
         modes=modes,
         limit=limit,
         plain_total=plain_total,
         floor=floor,
-        total=total,
+        total=_held(layers, outside, calls, modes),
         recompute_s=sum(layer.cost(mode) for layer, mode in zip(layers, modes)),
         full_recompute_s=full_s,
         exact=exact,
         names=[layer.name for layer in layers],
+    )
+
+
+def _held(layers: Sequence[LayerCost], outside: float, calls: float, modes: list[str]) -> float:
+    total = outside + sum(layer.held(mode) for layer, mode in zip(layers, modes))
+    return total + (calls if any(mode != PLAIN for mode in modes) else 0.0)
+
+
+def with_modes(
+    plan: Plan, layers: Sequence[LayerCost], outside: float, calls: float, modes: list[str]
+) -> Plan:
+    """`plan` with other modes (the ranks' agreed ones under ZeRO-3), its bytes and recompute
+    those modes' own, so that what is said and recorded is what runs."""
+    return replace(
+        plan,
+        modes=modes,
+        total=_held(layers, outside, calls, modes),
+        recompute_s=sum(layer.cost(mode) for layer, mode in zip(layers, modes)),
     )
 
 

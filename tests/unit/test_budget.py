@@ -508,3 +508,24 @@ def test_the_line_says_where_the_plan_is_greedy_and_not_where_it_is_exact():
         lines[plan.exact] = plan_lines.line(chosen, Outcome(plan=plan))
     assert "greedy" in lines[False]  # in full where the two rows have room for it
     assert "greedy" not in lines[True]
+
+
+def test_a_plan_with_the_ranks_agreed_modes_holds_and_costs_what_those_modes_do():
+    """Under ZeRO-3 every rank runs the layer-wise strongest of the ranks' plans
+    (gcpatch/step/shapes.py `agreed`): the plan said and recorded is priced for the modes that
+    run, not the rank's own. 4 layers of 100 bytes plain, 10 whole (1 s), a 10-byte mask held by
+    the checkpoints' calls: this rank's own plan at 320 bytes checkpoints 1 layer
+    (3 x 100 + 10 + 10); the agreed one checkpoints 3, holding 3 x 10 + 100 + 10 = 140 bytes for
+    3 s."""
+    layer = cost("l", 100.0, 10.0, 1.0, "block")
+    own = solve([layer] * 4, 0.0, 320.0, calls=10.0)
+    assert own.count == 1 and own.total == 320.0
+    modes = ["whole", "whole", "whole", "plain"]
+    ran = solver.with_modes(own, [layer] * 4, 0.0, 10.0, modes)
+    assert ran.modes == modes and ran.count == 3
+    assert ran.total == 140.0 and ran.recompute_s == pytest.approx(3.0)
+    assert (ran.limit, ran.floor, ran.plain_total) == (own.limit, own.floor, own.plain_total)
+    same = solver.with_modes(own, [layer] * 4, 0.0, 10.0, own.modes)
+    assert (same.total, same.recompute_s) == (own.total, own.recompute_s)
+    plain = solver.with_modes(own, [layer] * 4, 0.0, 10.0, ["plain"] * 4)
+    assert plain.total == 400.0  # no layer checkpointed: the calls' mask is not held
