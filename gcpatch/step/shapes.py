@@ -178,19 +178,7 @@ class ShapePlans:
             self.lines += 1
             level = logging.INFO
         log.log(level, "%s", headline.wrap(line))
-        if self.recorded < MAX_RECORDED:
-            self.recorded += 1
-            record.event(
-                {
-                    "stage": "budget-agreed",
-                    "model": self.name,
-                    "line": line,
-                    "shape": [rows, tokens],
-                    "own": plan_dict(own),
-                    "plan": plan_dict(ran),
-                },
-                settings.read().record_dir,
-            )
+        self._record("budget-agreed", line, rows, tokens, own=plan_dict(own), plan=plan_dict(ran))
 
     def apply(self, plan: solver.Plan) -> None:
         for i, (layer, mode) in enumerate(zip(self.layers, plan.modes)):
@@ -315,19 +303,17 @@ class ShapePlans:
             self.lines += 1
             level = logging.WARNING if plan.below_floor else logging.INFO
         log.log(level, "%s", headline.wrap(line))
-        if self.recorded < MAX_RECORDED:
-            self.recorded += 1
-            record.event(
-                {
-                    "stage": "budget-shape",
-                    "model": self.name,
-                    "line": line,
-                    "shape": [rows, tokens],
-                    "flags": plan.checkpoint,
-                    "plan": plan_dict(plan),
-                },
-                settings.read().record_dir,
-            )
+        self._record(
+            "budget-shape", line, rows, tokens, flags=plan.checkpoint, plan=plan_dict(plan)
+        )
+
+    def _record(self, stage: str, line: str, rows: int, tokens: int, **plans: Any) -> None:
+        """A shape's line and plans to the record, for the first MAX_RECORDED of them."""
+        if self.recorded >= MAX_RECORDED:
+            return
+        self.recorded += 1
+        event = {"stage": stage, "model": self.name, "line": line, "shape": [rows, tokens]}
+        record.event({**event, **plans}, settings.read().record_dir)
 
     def returned(self, module: Any, args: tuple, output: Any) -> None:
         """After a forward (GCPATCH_VERIFY=1): a new shape's receipt; over its plan, that shape is
