@@ -81,7 +81,8 @@ class ShapePlans:
         self.lines = 0
         self.recorded = 0
         self.said_changed = self.said_floor = False
-        self.said_agreed: set[tuple] = set()  # (rows, tokens, modes) of agreed plans said
+        # (rows, tokens, agreed modes) -> (the rank's own plan, the agreed one, priced and said)
+        self.agreed_plans: dict[tuple, tuple] = {}
         self.handle: Any = None
         # each layer's own checkpoint function, and it under each lever the layer is offered
         self.funcs = [levers.own(vars(m).get("_gradient_checkpointing_func")) for m in layers]
@@ -153,19 +154,20 @@ class ShapePlans:
             ]
         if modes == plan.modes:
             return plan
-        layers, outside, _ = self.costs.at(rows, tokens)
-        ran = solver.with_modes(plan, layers, outside, self.costs.calls_at(rows, tokens), modes)
-        self._said_agreed(rows, tokens, plan, ran)
+        key = (rows, tokens, tuple(modes))
+        own, ran = self.agreed_plans.get(key, (None, None))
+        if own is not plan or ran is None:  # priced and said once per own plan and agreed modes
+            layers, outside, _ = self.costs.at(rows, tokens)
+            calls = self.costs.calls_at(rows, tokens)
+            ran = solver.with_modes(plan, layers, outside, calls, modes)
+            if len(self.agreed_plans) >= MAX_CACHED:
+                self.agreed_plans.clear()
+            self.agreed_plans[key] = (plan, ran)
+            self._said_agreed(rows, tokens, plan, ran)
         return ran
 
     def _said_agreed(self, rows: int, tokens: int, own: solver.Plan, ran: solver.Plan) -> None:
-        """Once per shape and agreed plan: what the ranks run where it is not this rank's own."""
-        key = (rows, tokens, tuple(ran.modes))
-        if key in self.said_agreed:
-            return
-        if len(self.said_agreed) >= MAX_CACHED:
-            self.said_agreed.clear()
-        self.said_agreed.add(key)
+        """What the ranks run where it is not this rank's own plan."""
         size = budget_mod.size
         line = (
             f"gcpatch: rank {rank()} budget {self.name}: {rows} x {tokens} tokens, the ranks'"
