@@ -7,7 +7,8 @@ cost model (gcpatch/step/cost_model.py). A fraction is of that step's own activa
 checkpointing; a size holds for every step; `auto` is what the device has left at that step.
 Forwards without gradients, inside torch.compile's tracing or asking for a KV cache plan nothing.
 Said: the first plan, then a shape with another plan, each new largest shape and the first below
-the floor, at most MAX_LINES lines; every new shape's plan to the record (MAX_RECORDED) and DEBUG.
+the floor, and under ZeRO-3 an agreed plan that is not the rank's own, at most MAX_LINES lines;
+every new shape's plan to the record (MAX_RECORDED) and DEBUG.
 """
 
 from __future__ import annotations

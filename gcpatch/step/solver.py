@@ -212,7 +212,7 @@ def solve(layers: Sequence[LayerCost], outside: float, limit: float, calls: floa
         plain_total=plain_total,
         floor=floor,
         total=_held(layers, outside, calls, modes),
-        recompute_s=sum(layer.cost(mode) for layer, mode in zip(layers, modes)),
+        recompute_s=_recompute(layers, modes),
         full_recompute_s=full_s,
         exact=exact,
         names=[layer.name for layer in layers],
@@ -224,6 +224,10 @@ def _held(layers: Sequence[LayerCost], outside: float, calls: float, modes: list
     return total + (calls if any(mode != PLAIN for mode in modes) else 0.0)
 
 
+def _recompute(layers: Sequence[LayerCost], modes: list[str]) -> float:
+    return sum(layer.cost(mode) for layer, mode in zip(layers, modes))
+
+
 def with_modes(
     plan: Plan, layers: Sequence[LayerCost], outside: float, calls: float, modes: list[str]
 ) -> Plan:
@@ -233,7 +237,7 @@ def with_modes(
         plan,
         modes=modes,
         total=_held(layers, outside, calls, modes),
-        recompute_s=sum(layer.cost(mode) for layer, mode in zip(layers, modes)),
+        recompute_s=_recompute(layers, modes),
     )
 
 
